@@ -1,0 +1,5 @@
+"""Backends by short type name: the module holding its `Config` dataclass and `Backend` class."""
+
+BACKEND_TYPES = {
+    "local": "tether.backends.local",
+}

@@ -1,0 +1,172 @@
+"""The backend interface: a filesystem rooted at remote_dir, and one way to run the launcher there.
+
+A backend type implements three things: `filesystem()`, `_execute(argv, stdin)` (the one
+choke point every far-side command goes through) and `remote_dir`. Everything else (check,
+launch, state, stop, teardown) is built here on the far-side launcher, so every backend
+behaves the same and is tested by the same contract suite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import tether
+from tether.errors import BackendError
+from tether.paths import RunPaths
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
+SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
+    "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
+    "tether/remote/launcher.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
+)
+
+
+def launcher_version() -> str:
+    """A short hash of the shipped files: a changed launcher gets a new folder on the far side."""
+    digest = hashlib.sha256()
+    for rel in SHIPPED:
+        with open(os.path.join(PACKAGE_ROOT, rel), "rb") as f:
+            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class Report:
+    """A preflight: what was checked, whether it passed, and what was found."""
+
+    backend: str
+    items: list[dict] = field(default_factory=list)
+
+    def add(self, what: str, ok: bool, detail: str) -> None:
+        self.items.append({"check": what, "ok": ok, "detail": detail})
+
+    @property
+    def ready(self) -> bool:
+        return all(item["ok"] for item in self.items)
+
+    def text(self) -> str:
+        lines = [f"{'ok ' if i['ok'] else 'NO '} {i['check']}: {i['detail']}" for i in self.items]
+        verdict = "ready" if self.ready else "not ready"
+        return "\n".join([f"backend {self.backend}: {verdict}"] + lines)
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "ready": self.ready, "checks": self.items}
+
+
+class Backend:
+    """One far side. Public methods wrap the transport; errors leave as tether's own."""
+
+    type = ""
+    min_free_mb = 500  # below this a run's checkpoints may not fit
+
+    def __init__(self, name: str, config: Any, state_dir: str) -> None:
+        self.name, self.config, self.state_dir = name, config, state_dir
+        self.version = launcher_version()
+
+    # ------------------------------------------------------------ the transport (per type)
+
+    @property
+    def remote_dir(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def python(self) -> str:
+        raise NotImplementedError
+
+    def filesystem(self) -> Any:
+        """An fsspec filesystem whose root is remote_dir."""
+        raise NotImplementedError
+
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> str:
+        """Run `argv` on the far side; stdout, or RemoteCommandError on a non-zero exit."""
+        raise NotImplementedError
+
+    def _check_host(self, report: Report) -> None:
+        """Type-specific preflight items (GPUs, scheduler commands, ...)."""
+
+    # ------------------------------------------------------------ built on the launcher
+
+    @property
+    def version_dir(self) -> str:
+        return posixpath.join(self.remote_dir, "tether", self.version)
+
+    def launcher(self, command: str, *args: str, stdin: bytes = b"") -> Any:
+        """Run one launcher command on the far side and decode its JSON answer."""
+        argv = ["env", f"PYTHONPATH={self.version_dir}", self.python, "-m",
+                "tether.remote.launcher", command, *args]
+        out = self._execute(argv, stdin)
+        try:
+            return json.loads(out.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise BackendError(f"the launcher's {command!r} answered {out[-300:]!r}, not JSON: "
+                               f"run `doit check` to see what the far side lacks")
+
+    def install_launcher(self) -> bool:
+        """Copy the launcher to remote_dir/tether/<version>/ unless it is there; True if copied."""
+        fs = self.filesystem()
+        final = f"tether/{self.version}"
+        try:
+            fs.info(f"{final}/COMPLETE")
+            return False
+        except FileNotFoundError:
+            pass
+        tmp = f"tether/.{self.version}.tmp-{uuid.uuid4().hex[:8]}"
+        for rel in SHIPPED:
+            fs.makedirs(posixpath.dirname(f"{tmp}/{rel}"), exist_ok=True)
+            fs.put_file(os.path.join(PACKAGE_ROOT, rel), f"{tmp}/{rel}")
+        fs.pipe_file(f"{tmp}/COMPLETE", self.version.encode())
+        try:
+            fs.mv(tmp, final, recursive=True)
+        except OSError:
+            fs.info(f"{final}/COMPLETE")  # another invocation won the race: fine if complete
+            fs.rm(tmp, recursive=True)
+        return True
+
+    def check(self) -> Report:
+        """Preflight: can a run start here? (The launcher must be installed first.)"""
+        report = Report(self.name)
+        try:
+            found = self.launcher("check", self.remote_dir, str(self.min_free_mb))
+        except BackendError as err:
+            report.add("python", False, f"{self.python}: {err}")
+            return report
+        report.add("python", found["python_ok"], f"{self.python} is Python {found['python']}"
+                   + ("" if found["python_ok"] else " (3.8 or newer needed)"))
+        report.add("writable", found["writable"], self.remote_dir)
+        report.add("disk", found["free_mb"] >= found["min_free_mb"],
+                   f"{found['free_mb']} MB free under {self.remote_dir} (want {found['min_free_mb']})")
+        report.add("inodes", found["free_inodes"] >= 1000, f"{found['free_inodes']} free inodes")
+        self._check_host(report)
+        return report
+
+    def launch(self, run: RunPaths) -> dict:
+        """Start the run detached; never a second copy of a live or finished run."""
+        return self.launcher("start", run.remote_abs)
+
+    def states(self, runs: list[RunPaths]) -> dict[str, dict]:
+        """One snapshot per run, in one far-side round trip."""
+        found = self.launcher("probe", *[r.remote_abs for r in runs])
+        return {r.run_id: found[r.remote_abs] for r in runs}
+
+    def state(self, run: RunPaths) -> dict:
+        return self.states([run])[run.run_id]
+
+    def stop(self, run: RunPaths, grace_s: float) -> dict:
+        """SIGTERM, then SIGKILL after grace_s; the outcome says honestly what happened."""
+        return self.launcher("stop", run.remote_abs, str(grace_s))
+
+    def teardown(self, run: RunPaths) -> str:
+        """Remove the run dir on the far side (the object store stays); idempotent."""
+        fs = self.filesystem()
+        try:
+            fs.info(run.remote)
+        except FileNotFoundError:
+            return "already removed: no action needed"
+        fs.rm(run.remote, recursive=True)
+        return f"removed {run.remote_abs}"

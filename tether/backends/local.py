@@ -1,0 +1,58 @@
+"""The local backend: the far side is a folder on this machine, the launcher a detached process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tether.backends.base import Backend as BaseBackend
+from tether.errors import BackendError, RemoteCommandError
+
+
+@dataclass(frozen=True)
+class Config:
+    """backends: {NAME: {type: local, remote_dir: PATH, python: PATH}}
+
+    remote_dir defaults to .tether/remote in the working folder; python to the interpreter
+    running tether.
+    """
+
+    type: str = "local"
+    remote_dir: Optional[str] = None
+    python: Optional[str] = None
+
+    def problems(self) -> list[str]:
+        return []
+
+
+class Backend(BaseBackend):
+    """A far side that is this machine."""
+
+    type = "local"
+
+    @property
+    def remote_dir(self) -> str:
+        return os.path.abspath(self.config.remote_dir or os.path.join(self.state_dir, "remote"))
+
+    @property
+    def python(self) -> str:
+        return self.config.python or sys.executable
+
+    def filesystem(self) -> Any:
+        from fsspec.implementations.dirfs import DirFileSystem
+        from fsspec.implementations.local import LocalFileSystem
+
+        os.makedirs(self.remote_dir, mode=0o700, exist_ok=True)
+        return DirFileSystem(path=self.remote_dir, fs=LocalFileSystem())
+
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> str:
+        try:
+            done = subprocess.run(argv, input=stdin, capture_output=True, timeout=600)
+        except FileNotFoundError as err:
+            raise BackendError(f"{argv[0]}: {err.strerror}: set python: in the backend's config")
+        if done.returncode != 0:
+            raise RemoteCommandError(argv, done.returncode, done.stderr.decode(errors="replace"))
+        return done.stdout.decode(errors="replace")

@@ -1,0 +1,24 @@
+"""`tether TASK key=value ...`: the same tasks as `doit run TASK key=value ...`, without a dodo.py."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from doit.cmd_base import ModuleTaskLoader
+    from doit.doit_cmd import DoitMain
+
+    from tether.pipelines import tasks
+
+    tasks.catch_signals()
+    namespace = dict(tasks.task_creators(tasks.doit_variables), DOIT_CONFIG=tasks.DOIT_CONFIG)
+    try:
+        return DoitMain(ModuleTaskLoader(namespace)).run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print(tasks.resume_hint(None), file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

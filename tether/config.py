@@ -1,0 +1,318 @@
+"""The job's YAML file (ruamel) as frozen dataclasses: unknown keys, line numbers, "did you mean".
+
+Each section has one source of truth: the dataclass below, or the one a backend or trainer
+type registers. `load()` collects every problem before it raises, so one run of `validate`
+shows them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from tether.errors import ConfigError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,37}$")
+DEFAULT_EXCLUDES = (".git", ".tether", "__pycache__", "*.pyc", ".venv", "*.egg-info")
+MIN_ACK_CHARS = 12
+
+
+def _check(test: Callable[[Any], bool], message: str) -> dict:
+    """Field metadata: a value failing `test` is an error saying `message`."""
+    return {"check": (test, message)}
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Files to push: paths relative to the config file's folder, minus the exclude patterns."""
+
+    paths: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDES
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """How many checkpoints the runtime keeps, and how often a trainer is asked to save."""
+
+    keep: int = field(default=3, metadata=_check(lambda v: v >= 1, "must be at least 1"))
+    every: int = field(default=0, metadata=_check(lambda v: v >= 0, "must be 0 (trainer decides) or more"))
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Warnings the user has read and accepts: case-sensitive substrings of their text."""
+
+    acknowledge: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything one YAML file says: the job, and the backends it may run on."""
+
+    name: str = field(metadata=_check(NAME_RE.match, "must be letters, digits, '._-', start alphanumeric, at most 38 characters"))
+    trainer: Any = None  # a trainer type's own dataclass, chosen by its `type:`
+    backends: dict = field(default_factory=dict)  # NAME -> a backend type's own dataclass
+    backend: str = ""
+    code: Paths = Paths()
+    data: Paths = Paths(exclude=())
+    artifacts: tuple[str, ...] = ()
+    checkpoint: Checkpoint = Checkpoint()
+    max_wall_seconds: float = field(default=7 * 24 * 3600.0, metadata=_check(lambda v: v > 0, "must be positive"))
+    heartbeat_timeout_s: float = field(default=60.0, metadata=_check(lambda v: v > 0, "must be positive"))
+    grace_seconds: float = field(default=30.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
+    validation: Validation = Validation()
+    source: str = ""  # the YAML file this came from
+    root: str = ""  # its folder: relative paths in the file start here
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def backend_config(self) -> Any:
+        return self.backends[self.backend]
+
+
+class Problems:
+    """Errors and warnings, each prefixed with `file:line:`."""
+
+    def __init__(self, source: str) -> None:
+        self.source, self.errors, self.warnings = source, [], []
+
+    def at(self, node: Any, key: Any = None) -> str:
+        line = _line(node, key)
+        return "%s:%s" % (self.source, line) if line else self.source
+
+    def error(self, where: str, message: str) -> None:
+        self.errors.append("%s: error: %s" % (where, message))
+
+    def warn(self, where: str, message: str) -> None:
+        self.warnings.append("%s: warning: %s" % (where, message))
+
+
+def _line(node: Any, key: Any = None) -> Optional[int]:
+    lc = getattr(node, "lc", None)
+    if lc is None:
+        return None
+    try:
+        if key is None:
+            return lc.line + 1
+        return (lc.item(key) if isinstance(key, int) else lc.key(key))[0] + 1
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return lc.line + 1
+
+
+def suggest(word: str, choices: typing.Iterable[str]) -> str:
+    """' (did you mean X?)' for a near miss, else ''."""
+    near = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return " (did you mean %r?)" % near[0] if near else ""
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        return "a list of %s" % _type_name(typing.get_args(hint)[0]).replace("a ", "", 1)
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
+    if origin is dict:
+        return "a mapping"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(hint, str(hint))
+
+
+def _coerce(value: Any, hint: Any, where: str, problems: Problems, key: str) -> Any:
+    """`value` as `hint` (str, int, float, bool, Optional, Union, tuple[...], dict, dataclass)."""
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            trial = Problems(problems.source)
+            result = _coerce(value, arg, where, trial, key)
+            if not trial.errors:
+                return result
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return build(hint, value, problems, key)
+    elif origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            item = typing.get_args(hint)[0]
+            return tuple(_coerce(v, item, where, problems, key) for v in value)
+    elif origin is dict or hint is dict:
+        if isinstance(value, dict):
+            return {str(k): v for k, v in value.items()}
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif hint in (str, bool) and isinstance(value, hint):
+        return value
+    elif hint is Any:
+        return value
+    problems.error(where, "%s: expected %s, got %r" % (key, _type_name(hint), value))
+    return None
+
+
+def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str, ...] = ()) -> Any:
+    """An instance of dataclass `cls` from the mapping `node`; every problem goes to `problems`."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    public = sorted(n for n in fields if n not in ("source", "root", "warnings"))
+    for key, value in node.items():
+        if key not in public:
+            problems.error(problems.at(node, key), "unknown key %r in %s%s; valid keys: %s"
+                           % (key, where, suggest(key, public), ", ".join(public)))
+            continue
+        at = problems.at(node, key)
+        before = len(problems.errors)
+        coerced = _coerce(value, hints[key], at, problems, key)
+        if len(problems.errors) > before:
+            continue
+        test = fields[key].metadata.get("check")
+        if test and coerced is not None and not test[0](coerced):
+            problems.error(at, "%s %s (got %r)" % (key, test[1], coerced))
+            continue
+        values[key] = coerced
+    missing = [n for n, f in fields.items() if n not in values and n in public
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in missing:
+        if not any(name in e for e in problems.errors):
+            problems.error(problems.at(node), "%s needs the key %r" % (where, name))
+    if missing:
+        return None
+    return cls(**values)
+
+
+def _typed_section(node: Any, registry: dict, what: str, problems: Problems, where: str) -> Any:
+    """A section whose `type:` picks its dataclass from `registry` (lazy 'module:Class')."""
+    if not isinstance(node, dict):
+        problems.error(where, "%s must be a mapping with a 'type' key" % what)
+        return None
+    kind = node.get("type")
+    if kind not in registry:
+        problems.error(problems.at(node, "type") if "type" in node else problems.at(node),
+                       "unknown %s type %r%s; available: %s"
+                       % (what, kind, suggest(kind or "", registry), ", ".join(sorted(registry))))
+        return None
+    cls = load_class(registry[kind] + ":Config")
+    section = build(cls, node, problems, "%s (type %s)" % (what, kind))
+    for message in section.problems() if section is not None else ():
+        problems.error(problems.at(node), message)
+    return section
+
+
+def load_class(location: str) -> Any:
+    """Import 'module:Class' (registries are lazy: an unused backend costs no import)."""
+    import importlib
+
+    module, name = location.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_yaml(path: str) -> Any:
+    """The YAML document in `path`, with line numbers kept."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = YAML(typ="rt").load(f)
+    except FileNotFoundError:
+        raise ConfigError("%s: no such config file: pass config=PATH or create tether.yaml" % path)
+    except YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = ":%d" % (mark.line + 1) if mark else ""
+        raise ConfigError("%s%s: error: not valid YAML: %s" % (path, line, getattr(err, "problem", err)))
+    if not isinstance(document, dict):
+        raise ConfigError("%s: error: the file must be a YAML mapping (name:, trainer:, backends:, ...)" % path)
+    return document
+
+
+def load(path: str, backend: Optional[str] = None) -> Job:
+    """Read, check and freeze the job in `path`; `backend` (from the command line) wins over the file's."""
+    from tether.backends import BACKEND_TYPES
+    from tether.trainers.registry import TRAINER_TYPES
+
+    document = parse_yaml(path)
+    problems = Problems(path)
+    trainer = _typed_section(document.get("trainer"), TRAINER_TYPES, "trainer", problems,
+                             problems.at(document, "trainer") if "trainer" in document else problems.at(document))
+    backends = {}
+    raw_backends = document.get("backends") or {}
+    if not isinstance(raw_backends, dict) or not raw_backends:
+        problems.error(problems.at(document, "backends") if "backends" in document else path,
+                       "backends must map a name to a backend, e.g. backends: {local: {type: local}}")
+        raw_backends = {}
+    for name, node in raw_backends.items():
+        backends[str(name)] = _typed_section(node, BACKEND_TYPES, "backend %r" % name, problems,
+                                             problems.at(raw_backends, name))
+    rest = {k: v for k, v in document.items() if k not in ("trainer", "backends")}
+    job = build(Job, rest, problems, "the job", skip=("trainer", "backends"))
+    chosen = backend or (job.backend if job else "") or (next(iter(backends)) if len(backends) == 1 else "")
+    if chosen not in backends and backends:
+        source = "backend=%s" % chosen if backend else problems.at(document, "backend")
+        problems.error(source, "unknown backend %r%s; defined: %s"
+                       % (chosen, suggest(chosen, backends), ", ".join(sorted(backends)))
+                       if chosen else "several backends are defined: name one with backend: or backend=NAME")
+    if job is None or problems.errors or any(v is None for v in backends.values()) or trainer is None:
+        raise ConfigError(problems.errors or ["%s: error: the config is incomplete" % path])
+    job = dataclasses.replace(job, trainer=trainer, backends=backends, backend=chosen,
+                              source=os.path.abspath(path), root=os.path.dirname(os.path.abspath(path)))
+    _check_job(job, document, problems)
+    return dataclasses.replace(job, warnings=tuple(acknowledged(problems.warnings, job.validation.acknowledge, path)))
+
+
+def _check_job(job: Job, document: Any, problems: Problems) -> None:
+    """Checks across sections: paths that must exist (errors), likely mistakes (warnings)."""
+    if not job.artifacts:
+        problems.warn(problems.at(document), "no artifacts declared: only logs and the latest "
+                      "checkpoint come home; list result files under artifacts:")
+    if job.heartbeat_timeout_s < 10:
+        problems.warn(problems.at(document, "heartbeat_timeout_s"), "heartbeat_timeout_s below 10 s "
+                      "can fail healthy runs on a slow far side (the launcher beats every 2 s)")
+    for path in job.code.paths + job.data.paths:
+        if os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
+            problems.error(problems.at(document), "path %r leaves the project folder %s: move the "
+                           "config file up, or the files in" % (path, job.root))
+        elif not os.path.exists(os.path.join(job.root, path)):
+            problems.error(problems.at(document), "path %r does not exist (paths are relative to %s)"
+                           % (path, job.root))
+    if problems.errors:
+        raise ConfigError(problems.errors)
+
+
+def acknowledged(warnings: list[str], acks: tuple[str, ...], source: str) -> list[str]:
+    """The warnings no acknowledgement matches, plus a warning for each unusable acknowledgement."""
+    left = list(warnings)
+    for ack in acks:
+        if len(ack) < MIN_ACK_CHARS:
+            left.append("%s: warning: acknowledgement %r is shorter than %d characters: quote more "
+                        "of the warning" % (source, ack, MIN_ACK_CHARS))
+            continue
+        matched = [w for w in left if ack in w]
+        if not matched:
+            left.append("%s: warning: acknowledgement %r matches no warning: remove it" % (source, ack))
+        left = [w for w in left if w not in matched]
+    return left
+
+
+def default_path(cwd: str = ".") -> str:
+    """tether.yaml in `cwd` if present, else configs/local.yaml."""
+    own = os.path.join(cwd, "tether.yaml")
+    return own if os.path.exists(own) else os.path.join(cwd, "configs", "local.yaml")
+
+
+def asdict(obj: Any) -> Any:
+    """A dataclass (nested, with tuples) as plain JSON-able data."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: asdict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [asdict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): asdict(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,1 @@
+"""The phases as plain functions, and the doit tasks made from them."""

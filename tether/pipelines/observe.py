@@ -1,0 +1,115 @@
+"""Looking at a run from anywhere: status, tail, stop, check; and reading events as they grow."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Optional
+
+from tether.errors import BackendError
+from tether.paths import RunPaths
+from tether.pipelines.session import Session
+
+TERMINAL = ("completed", "failed", "stopped")
+
+
+class EventReader:
+    """Reads events.jsonl from where it left off; only whole lines count."""
+
+    def __init__(self, fs: Any, run: RunPaths, name: str = "events.jsonl") -> None:
+        self.fs, self.path, self.offset = fs, run.remote_file(name), 0
+        self.last: dict[str, dict] = {}  # the newest event of each kind
+
+    def read_bytes(self) -> bytes:
+        try:
+            with self.fs.open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return b""
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return data[:end]
+
+    def read(self) -> list[dict]:
+        events = []
+        for line in self.read_bytes().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a trainer may print junk into events.jsonl; it must not stop the watch
+            events.append(event)
+            self.last[event.get("event", "")] = event
+        return events
+
+
+def tail_text(fs: Any, run: RunPaths, name: str = "train.log", lines: int = 20) -> str:
+    """The last `lines` lines of a far-side file (empty when it does not exist)."""
+    try:
+        with fs.open(run.remote_file(name), "rb") as f:
+            size = f.size
+            f.seek(max(0, size - 16384))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def summary(s: Session, run: RunPaths, snap: dict) -> dict:
+    """What `status` reports: state, step, last loss, heartbeat age, where, how long."""
+    reader = EventReader(s.backend.filesystem(), run)
+    reader.read()
+    state = snap.get("state", {})
+    step = reader.last.get("step", {})
+    started, ended = state.get("started_at"), state.get("ended_at")
+    elapsed = ((ended or snap.get("now") or time.time()) - started) if started else None
+    return {"run_id": run.run_id, "status": snap["status"], "backend": s.job.backend,
+            "host": state.get("host"), "step": step.get("step"), "loss": step.get("loss"),
+            "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
+            "attempt": state.get("attempt"), "restarts": state.get("restarts"),
+            "exit_code": state.get("exit_code"), "where": run.remote_abs}
+
+
+def status(s: Session) -> None:
+    run = s.observed()
+    info = summary(s, run, s.snapshot(run, fresh=True))
+    if s.variables.get("json"):
+        print(json.dumps(info, sort_keys=True))
+        return
+    print(f"{info['run_id']}: {info['status']}")
+    for key in ("step", "loss", "heartbeat_age_s", "elapsed_s", "restarts", "exit_code", "host", "where"):
+        if info[key] is not None:
+            print(f"  {key:16} {info[key]}")
+
+
+def tail(s: Session, poll_s: float = 0.5) -> None:
+    """Print train.log from the start, following it until the run is terminal."""
+    run = s.observed()
+    reader = EventReader(s.backend.filesystem(), run, "train.log")
+    while True:
+        snap = s.snapshot(run, fresh=True)
+        sys.stdout.write(reader.read_bytes().decode(errors="replace"))
+        sys.stdout.flush()
+        if snap["status"] not in ("running", "pending"):
+            sys.stdout.write(reader.read_bytes().decode(errors="replace"))
+            print(f"[run {run.run_id} is {snap['status']}]")
+            return
+        time.sleep(poll_s)
+
+
+def stop(s: Session) -> str:
+    run = s.observed()
+    outcome = s.backend.stop(run, s.job.grace_seconds)
+    if outcome["outcome"] == "error":
+        raise BackendError(f"stop of {run.run_id}: {outcome['error']}: look at them with `ps -o pid,pgid,cmd`")
+    return f"{run.run_id}: {outcome['outcome']}"
+
+
+def check(s: Session) -> Optional[str]:
+    s.backend.install_launcher()
+    report = s.backend.check()
+    print(json.dumps(report.as_dict(), sort_keys=True) if s.variables.get("json") else report.text())
+    if not report.ready:
+        raise BackendError(f"backend {s.job.backend} is not ready: fix the checks marked NO")
+    return None

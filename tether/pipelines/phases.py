@@ -1,0 +1,273 @@
+"""The seven phases as plain functions over a Session; each decides from stamps and far-side state.
+
+Every phase is idempotent: it first asks whether its work is already done (a local stamp, the
+far side's files), so a doit process killed at any point loses nothing when run again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+from tether import manifest
+from tether.config import asdict
+from tether.errors import BackendError, ManifestError, RunError
+from tether.paths import RunPaths
+from tether.pipelines import transfer
+from tether.pipelines.observe import TERMINAL, EventReader, tail_text
+from tether.pipelines.session import Session
+from tether.remote.fileio import atomic_write_json, read_json
+
+
+def write_stamp(run: RunPaths, phase: str, **fields) -> None:
+    atomic_write_json(run.stamp(phase), dict(fields, phase=phase, at=round(time.time(), 3)))
+
+
+def up_slice(s: Session) -> str:
+    """What `up` depends on: the backend's config and the launcher's version."""
+    parts = [s.job.backend, asdict(s.backend.config), s.backend.version]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ is it done already?
+
+
+def up_done(s: Session) -> bool:
+    run = s.current()
+    return run is not None and (read_json(run.stamp("up")) or {}).get("slice") == up_slice(s)
+
+
+def push_done(s: Session) -> bool:
+    run = s.current()
+    return run is not None and os.path.exists(run.stamp("push"))
+
+
+def launch_done(s: Session) -> bool:
+    run = s.current()
+    if run is None or not os.path.exists(run.stamp("launch")):
+        return False
+    if watch_done(s):
+        return True
+    return s.snapshot(run)["status"] in ("running",) + TERMINAL
+
+
+def watch_done(s: Session) -> bool:
+    run = s.current()
+    if run is None:
+        return False
+    return manifest.still_verified(run) or (read_json(run.stamp("watch")) or {}).get("status") == "completed"
+
+
+def pulled_done(s: Session) -> bool:
+    try:
+        return manifest.still_verified(s.observed())
+    except RunError:
+        return False
+
+
+# ------------------------------------------------------------------ the phases
+
+
+def up(s: Session) -> str:
+    """Preflight the backend and copy the launcher there (once per version)."""
+    run = s.run()
+    copied = s.backend.install_launcher()
+    report = s.backend.check()
+    if not report.ready:
+        raise BackendError(report.text() + "\nfix the checks marked NO, then run `doit run train` again")
+    write_stamp(run, "up", slice=up_slice(s), launcher=s.backend.version, report=report.as_dict())
+    return f"{run.run_id}: backend {s.job.backend} ready" + (" (launcher copied)" if copied else "")
+
+
+def push(s: Session) -> str:
+    """Upload what the far side's object store lacks, then build the run's frozen code snapshot."""
+    run = s.run()
+    fs = s.backend.filesystem()
+    try:
+        fs.info(run.remote_file("code"))
+        write_stamp(run, "push", files=len(s.entries), sent=0, bytes_sent=0)
+        return f"{run.run_id}: code snapshot already on the far side"
+    except FileNotFoundError:
+        pass
+    unique = {e.sha256: e for e in s.entries}
+    missing = s.backend.launcher("have", f"{s.backend.remote_dir}/objects", stdin="\n".join(unique).encode())
+    total = sum(unique[h].size for h in missing)
+    with transfer.bar(total, "push") as progress:
+        for sha in missing:
+            transfer.put_atomic(fs, unique[sha].local, f"objects/{sha[:2]}/{sha}", progress)
+    listing = [{"root": e.root, "path": e.path, "sha256": e.sha256, "mode": e.mode} for e in s.entries]
+    transfer.pipe_atomic(fs, run.remote_file("tree.json"), json.dumps({"files": listing}).encode())
+    s.backend.launcher("materialize", run.remote_abs)
+    write_stamp(run, "push", files=len(s.entries), sent=len(missing), bytes_sent=total)
+    return f"{run.run_id}: pushed {len(missing)} of {len(unique)} files ({total} bytes); the rest were there"
+
+
+def launch(s: Session) -> str:
+    """Start the run detached, unless it is running or has ended (then only record that)."""
+    run = s.run()
+    snap = s.snapshot(run, fresh=True)
+    if snap["status"] in ("running",) + TERMINAL:
+        write_stamp(run, "launch", outcome="already " + snap["status"])
+        return f"{run.run_id}: already {snap['status']}; not launched again"
+    if snap["status"] in ("absent", "pending"):
+        record = dict(s.record(run), artifacts=list(s.job.artifacts))  # the roster as of launch
+        atomic_write_json(run.run_json, record)
+        transfer.pipe_atomic(s.backend.filesystem(), run.remote_file("run.json"),
+                             json.dumps(record, indent=2, sort_keys=True).encode())
+    result = s.backend.launch(run)
+    if result["outcome"] == "error":
+        log = tail_text(s.backend.filesystem(), run, "launcher.log")
+        raise BackendError(f"{run.run_id}: the launcher did not start: {result.get('error', '')}\n{log}")
+    s.snapshot(run, fresh=True)
+    write_stamp(run, "launch", outcome=result["outcome"], attempt=result["state"].get("attempt"))
+    verb = {"started": "launched", "running": "already running", "finished": "already finished"}
+    return f"{run.run_id}: {verb[result['outcome']]} (attempt {result['state'].get('attempt')})"
+
+
+def watch(s: Session, poll_min: float = 0.2, poll_max: float = 2.0) -> str:
+    """Follow the run's events with a progress bar until it ends; Ctrl-C leaves it running."""
+    from tqdm import tqdm
+
+    run = s.run()
+    reader = EventReader(s.backend.filesystem(), run)
+    interval = poll_min
+    with tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as progress:
+        while True:
+            snap = s.snapshot(run, fresh=True)
+            events = reader.read()
+            _show(progress, reader, events)
+            if snap["status"] in TERMINAL:
+                break
+            _check_health(s, run, snap)
+            interval = poll_min if events else min(poll_max, interval * 1.5)
+            time.sleep(interval)
+    state = snap["state"]
+    write_stamp(run, "watch", status=snap["status"], exit_code=state.get("exit_code"))
+    if snap["status"] != "completed":
+        log = tail_text(s.backend.filesystem(), run)
+        raise RunError(f"run {run.run_id} {snap['status']} (exit code {state.get('exit_code')}); "
+                       f"the end of train.log:\n{log}\n`doit pull run={run.run_id}` brings its files home")
+    return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
+
+
+def _show(progress, reader: EventReader, events: list[dict]) -> None:
+    step = reader.last.get("step")
+    if step is None:
+        return
+    total = step.get("total_steps")
+    if total and progress.total != total:
+        progress.total = total
+    progress.n = step.get("step", progress.n)
+    fields = {k: step[k] for k in ("loss", "lr") if isinstance(step.get(k), (int, float))}
+    progress.set_postfix({k: f"{v:.4g}" for k, v in fields.items()}, refresh=False)
+    progress.refresh()
+
+
+def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
+    status, state = snap["status"], snap["state"]
+    if status == "lost":
+        raise RunError(f"run {run.run_id} was lost: its launcher and trainer are gone without an "
+                       f"exit record (machine rebooted?). `doit run train` relaunches it from its latest checkpoint")
+    if status == "preempted":
+        raise RunError(f"run {run.run_id} was preempted and saved a checkpoint: "
+                       f"`doit run train` resumes it")
+    age = snap.get("heartbeat_age_s")
+    if status == "running" and age is not None and age > s.job.heartbeat_timeout_s:
+        raise RunError(f"run {run.run_id}: no heartbeat for {age:.0f}s (heartbeat_timeout_s is "
+                       f"{s.job.heartbeat_timeout_s:.0f}): the far side may be hung; `doit status` to look, "
+                       f"`doit stop` to end it")
+    started = state.get("started_at")
+    if status == "running" and started and snap["now"] - started > s.job.max_wall_seconds:
+        outcome = s.backend.stop(run, s.job.grace_seconds)
+        raise RunError(f"run {run.run_id} passed max_wall_seconds ({s.job.max_wall_seconds:.0f}s) "
+                       f"and was stopped ({outcome['outcome']})")
+
+
+def pull(s: Session) -> str:
+    """Fetch the far side's manifest, then every listed file not already here intact."""
+    run = s.observed()
+    if manifest.still_verified(run):
+        return f"{run.run_id}: already pulled and verified"
+    fs = s.backend.filesystem()
+    try:
+        data = fs.cat_file(run.remote_file("PULL_MANIFEST.json"))
+    except FileNotFoundError:
+        snap = s.snapshot(run, fresh=True)
+        raise RunError(f"run {run.run_id} is {snap['status']} and has no manifest yet (it is sealed "
+                       f"when the run ends): `doit run watch` waits for that")
+    listed = json.loads(data)
+    for entry in listed["files"]:
+        run.pulled(entry["path"])  # refuses absolute paths and `..` before anything is written
+    os.makedirs(run.local, exist_ok=True)
+    with open(run.manifest + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(run.manifest + ".tmp", run.manifest)
+    todo = [e for e in listed["files"] if not transfer.matches(run.pulled(e["path"]), e["bytes"], e["sha256"])]
+    total = sum(e["bytes"] for e in todo)
+    with transfer.bar(total, "pull") as progress:
+        for e in todo:
+            transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]),
+                                   e["bytes"], e["sha256"], progress)
+    write_stamp(run, "pull", manifest_sha256=manifest.digest(data), fetched=len(todo), bytes=total)
+    _warn_roster(s, listed)
+    return f"{run.run_id}: pulled {len(todo)} of {len(listed['files'])} files ({total} bytes)"
+
+
+def _warn_roster(s: Session, listed: dict) -> None:
+    if listed.get("missing"):
+        print(f"warning: declared artifacts that the run did not produce: {', '.join(listed['missing'])}")
+    if sorted(listed.get("artifacts", [])) != sorted(s.job.artifacts):
+        print(f"warning: artifacts: in the config changed after this run was launched; its manifest "
+              f"lists {listed.get('artifacts')}")
+
+
+def verify(s: Session) -> str:
+    """Size and SHA-256 of every pulled file against the manifest, the roster exact both ways."""
+    run = s.observed()
+    verified = manifest.verify(run)
+    torch = "checkpoints loaded with weights_only=True" if verified["torch_checked"] else \
+        "torch is not installed, so checkpoints were checked by hash only"
+    return (f"{run.run_id}: verified {len(verified['files'])} files ({verified['bytes']} bytes); "
+            f"{torch}; results in {run.files}")
+
+
+def down(s: Session, confirm: bool) -> str:
+    """Remove the far-side run dir, only once the results here are verified against its manifest."""
+    run = s.observed()
+    fs = s.backend.filesystem()
+    try:
+        far = fs.cat_file(run.remote_file("PULL_MANIFEST.json"))
+    except FileNotFoundError:
+        try:
+            fs.info(run.remote)
+        except FileNotFoundError:
+            return f"{run.run_id}: already removed: no action needed"
+        far = b""
+    verified = read_json(run.verified)
+    if verified is None:
+        raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
+                       f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
+    if not manifest.still_verified(run):
+        manifest.verify(run)  # something changed since: hash everything again, or refuse
+        verified = read_json(run.verified)
+    if manifest.digest(far) != verified["manifest_sha256"]:
+        raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest does not "
+                            f"match the one verified here: `doit pull run={run.run_id}` again")
+    if s.snapshot(run, fresh=True)["alive"]:
+        raise RunError(f"refusing to tear down {run.run_id}: it is still running: `doit stop` first")
+    print(f"down will delete {run.remote_abs} on backend {s.job.backend} "
+          f"({len(verified['files'])} verified files are kept in {run.files})")
+    if not (confirm or _ask("delete it?")):
+        raise RunError(f"not confirmed: nothing deleted. Add confirm=yes to tear down {run.run_id}")
+    outcome = s.backend.teardown(run)
+    write_stamp(run, "down", outcome=outcome)
+    return f"{run.run_id}: {outcome}"
+
+
+def _ask(question: str) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")

@@ -1,0 +1,174 @@
+"""One invocation's view: the job, its backend, and which run each task works on.
+
+The run is resolved lazily, when a task first asks: `run=ID` if given; else the run this exact
+job (code + data + run config + backend) already has; else, for `up`, a newly minted id, and
+for observers (`pull`, `status`, ...), the latest run of this config and backend. Because `up`
+records the run before anything else happens, every later phase of the same `train` finds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tether import config as config_mod
+from tether.backends import BACKEND_TYPES
+from tether.backends.base import Backend
+from tether.config import Job, asdict, suggest
+from tether.errors import ConfigError, RunError
+from tether.hashing import Entry, HashCache, tree, tree_hash
+from tether.paths import RunPaths, check_run_id, mint_run_id, runs_dir
+from tether.remote.fileio import atomic_write_json, read_json
+
+VARIABLES = ("config", "backend", "run", "confirm", "json", "strict")
+
+
+def check_variables(variables: dict[str, str]) -> None:
+    """Refuse `key=value` words tether does not know (a typo would otherwise be ignored)."""
+    unknown = [k for k in variables if k not in VARIABLES]
+    if unknown:
+        raise ConfigError([f"unknown variable {k}={variables[k]!r}{suggest(k, VARIABLES)}; tether "
+                           f"takes: {', '.join(VARIABLES)}" for k in unknown])
+
+
+def open_backend(job: Job, state_dir: str) -> Backend:
+    module = BACKEND_TYPES[job.backend_config.type]
+    cls = config_mod.load_class(module + ":Backend")
+    return cls(job.backend, job.backend_config, state_dir)
+
+
+@dataclass
+class Session:
+    """The job, the backend and the run resolution shared by every task of one invocation."""
+
+    job: Job
+    backend: Backend
+    state_dir: str
+    variables: dict[str, str] = field(default_factory=dict)
+    _run: Optional[RunPaths] = None
+
+    @classmethod
+    def open(cls, variables: dict[str, str], cwd: str = ".") -> "Session":
+        check_variables(variables)
+        path = variables.get("config") or config_mod.default_path(cwd)
+        job = config_mod.load(path, variables.get("backend") or None)
+        state_dir = os.path.abspath(os.path.join(cwd, ".tether"))
+        if variables.get("run") is not None:
+            check_run_id(variables["run"])
+        return cls(job, open_backend(job, state_dir), state_dir, variables)
+
+    # ------------------------------------------------------------ what this job is
+
+    @functools.cached_property
+    def entries(self) -> list[Entry]:
+        cache = HashCache(os.path.join(self.state_dir, "hashcache.json"))
+        found = (tree("code", self.job.root, self.job.code.paths, self.job.code.exclude, cache)
+                 + tree("data", self.job.root, self.job.data.paths, self.job.data.exclude, cache))
+        os.makedirs(self.state_dir, exist_ok=True)
+        cache.save()
+        return found
+
+    @functools.cached_property
+    def launch_spec(self) -> dict:
+        """What the launcher needs (stored in run.json); everything in it is part of the run's identity."""
+        spec = self.job.trainer.launch_spec()
+        spec.update(checkpoint_keep=self.job.checkpoint.keep, checkpoint_every=self.job.checkpoint.every,
+                    grace_seconds=self.job.grace_seconds, trainer=asdict(self.job.trainer))
+        return spec
+
+    @functools.cached_property
+    def job_hash(self) -> str:
+        parts = {"name": self.job.name, "backend": self.job.backend,
+                 "code": tree_hash([e for e in self.entries if e.root == "code"]),
+                 "data": tree_hash([e for e in self.entries if e.root == "data"]),
+                 "launch": self.launch_spec}
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+    # ------------------------------------------------------------ which run
+
+    def paths(self, run_id: str) -> RunPaths:
+        return RunPaths(run_id, self.state_dir, self.backend.remote_dir)
+
+    def known_runs(self) -> list[dict]:
+        """run.json of every local run of this config and backend, oldest first."""
+        found = []
+        folder = runs_dir(self.state_dir)
+        for run_id in os.listdir(folder) if os.path.isdir(folder) else ():
+            record = read_json(os.path.join(folder, run_id, "run.json"))
+            if record and record.get("config") == self.job.source and record.get("backend") == self.job.backend:
+                found.append(record)
+        return sorted(found, key=lambda r: (r["created_at"], r["run_id"]))
+
+    def current(self) -> Optional[RunPaths]:
+        """`run=ID`, else this exact job's existing run, else None."""
+        if self._run is None:
+            wanted = self.variables.get("run")
+            if wanted:
+                self._run = self.adopt(wanted)
+            else:
+                same = [r for r in self.known_runs() if r["job_hash"] == self.job_hash]
+                self._run = self.paths(same[-1]["run_id"]) if same else None
+        return self._run
+
+    def run(self) -> RunPaths:
+        """The run the forward phases work on: the current one, or a new one (recorded at once)."""
+        if self.current() is None:
+            self._run = self.create()
+        return self._run
+
+    def observed(self) -> RunPaths:
+        """The run observers work on: the current one, else the latest of this config and backend."""
+        current = self.current()
+        if current is not None:
+            return current
+        runs = self.known_runs()
+        if not runs:
+            raise RunError(f"no run of {self.job.source} on backend {self.job.backend} yet: "
+                           f"start one with `doit run train`")
+        return self.paths(runs[-1]["run_id"])
+
+    def create(self) -> RunPaths:
+        """Mint a run id for this job and record it locally (run.json), before anything else."""
+        run = self.paths(mint_run_id(self.job.name, self.job_hash))
+        record = dict(self.launch_spec, run_id=run.run_id, name=self.job.name, config=self.job.source,
+                      backend=self.job.backend, backend_type=self.backend.type, job_hash=self.job_hash,
+                      code_hash=tree_hash([e for e in self.entries if e.root == "code"]),
+                      data_hash=tree_hash([e for e in self.entries if e.root == "data"]),
+                      artifacts=list(self.job.artifacts), created_at=round(time.time(), 3),
+                      created_on=socket.gethostname(), tether_version=self.backend.version)
+        atomic_write_json(run.run_json, record)
+        return run
+
+    def adopt(self, run_id: str) -> RunPaths:
+        """A run named on the command line; known here, or fetched from the far side's run.json."""
+        run = self.paths(check_run_id(run_id))
+        if os.path.exists(run.run_json):
+            return run
+        try:
+            data = self.backend.filesystem().cat_file(run.remote_file("run.json"))
+        except FileNotFoundError:
+            raise RunError(f"run {run_id} is unknown here and on backend {self.job.backend} "
+                           f"({run.remote_abs}): check the id, or pass backend=NAME")
+        atomic_write_json(run.run_json, json.loads(data))
+        return run
+
+    # ------------------------------------------------------------ far-side state, once per invocation
+
+    @functools.cached_property
+    def _snapshots(self) -> dict[str, dict]:
+        return {}
+
+    def snapshot(self, run: RunPaths, fresh: bool = False) -> dict:
+        """The far side's state of `run`, fetched once per invocation unless `fresh`."""
+        if fresh or run.run_id not in self._snapshots:
+            self._snapshots[run.run_id] = self.backend.state(run)
+        return self._snapshots[run.run_id]
+
+    def record(self, run: RunPaths) -> dict[str, Any]:
+        return read_json(run.run_json) or {}

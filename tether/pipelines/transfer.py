@@ -1,0 +1,89 @@
+"""Moving bytes through an fsspec filesystem: atomic uploads, resumable downloads, one tqdm bar."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Any
+
+from fsspec.callbacks import Callback
+
+from tether.errors import ManifestError
+from tether.remote.fileio import CHUNK, sha256_file
+
+
+def bar(total: int, what: str) -> Any:
+    """A bytes progress bar on stderr (silent when stderr is not a terminal and total is small)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, leave=False, disable=None)
+
+
+class BarCallback(Callback):
+    """Feeds one shared tqdm bar from fsspec's per-file callbacks."""
+
+    def __init__(self, progress: Any) -> None:
+        super().__init__()
+        self.progress, self.reported = progress, 0
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        self.progress.update(self.value - self.reported)
+        self.reported = self.value
+
+
+def put_atomic(fs: Any, local: str, remote: str, progress: Any) -> None:
+    """Upload `local` under a temporary name, then rename: a partial file never has the final name."""
+    tmp = f"{remote}.tmp-{uuid.uuid4().hex[:12]}"
+    fs.makedirs(os.path.dirname(remote), exist_ok=True)
+    try:
+        fs.put_file(local, tmp, callback=BarCallback(progress))
+        fs.mv(tmp, remote)
+    except BaseException:
+        try:
+            fs.rm(tmp)
+        except (OSError, FileNotFoundError):
+            pass  # the far side cleans objects/*.tmp-* on the next push of the same file
+        raise
+
+
+def pipe_atomic(fs: Any, remote: str, data: bytes) -> None:
+    """Write small `data` to `remote` atomically (temporary name, then rename)."""
+    tmp = f"{remote}.tmp-{uuid.uuid4().hex[:12]}"
+    fs.makedirs(os.path.dirname(remote), exist_ok=True)
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, remote)
+
+
+def matches(path: str, size: int, sha256: str) -> bool:
+    """Whether the local file at `path` has exactly this size and SHA-256."""
+    try:
+        if os.path.getsize(path) != size:
+            return False
+    except FileNotFoundError:
+        return False
+    return sha256_file(path)[0] == sha256
+
+
+def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, progress: Any) -> None:
+    """Download into `local`.part, continuing a partial one, check size and SHA-256, then rename."""
+    part = local + ".part"
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    if have > size:
+        os.unlink(part)
+        have = 0
+    progress.update(have)
+    with fs.open(remote, "rb") as src, open(part, "ab") as dst:
+        src.seek(have)
+        for chunk in iter(lambda: src.read(CHUNK), b""):
+            dst.write(chunk)
+            progress.update(len(chunk))
+        dst.flush()
+        os.fsync(dst.fileno())
+    if not matches(part, size, sha256):
+        os.unlink(part)  # a resumed part that does not add up is restarted from zero next time
+        raise ManifestError(f"{remote}: the downloaded bytes do not match the manifest "
+                            f"(changed on the far side after sealing?): run the pull again")
+    os.replace(part, local)

@@ -1,0 +1,1 @@
+"""What is copied to the far side: stdlib only, Python >= 3.8."""

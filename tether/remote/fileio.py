@@ -1,0 +1,76 @@
+"""Atomic writes and SHA-256 hashing, shared by both sides (stdlib only, Python >= 3.8)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, BinaryIO, Callable, Optional, Tuple
+
+CHUNK = 1 << 20  # 1 MiB reads: past this, hashing speed no longer improves
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` through `write(file)` so that readers see the old file or the whole new one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, ".%s.tmp-%d" % (os.path.basename(path), os.getpid()))
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Atomically replace `path` with `data`."""
+    atomic_write(path, lambda f: f.write(data))
+
+
+def dump_json(obj: Any) -> bytes:
+    """The one JSON encoding tether writes: sorted keys, indented, newline-terminated."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    """Atomically replace `path` with `obj` as JSON."""
+    atomic_write_bytes(path, dump_json(obj))
+
+
+def read_json(path: str) -> Optional[Any]:
+    """The JSON in `path`, or None when the file does not exist (other errors propagate)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode())
+    except FileNotFoundError:
+        return None
+
+
+def sha256_file(path: str) -> Tuple[str, int]:
+    """(hex SHA-256, size in bytes) of the file at `path`."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size

@@ -1,0 +1,480 @@
+"""The far-side launcher: runs one trainer, records its life in files, seals the results.
+
+Copied to `<remote_dir>/tether/<version-hash>/` and run there as
+`python -m tether.remote.launcher COMMAND ...` (stdlib only, Python >= 3.8):
+
+    start RUN_DIR           start `run` detached (own session), return once it holds the lock
+    run RUN_DIR             run the trainer in the foreground (a SLURM job script calls this)
+    probe RUN_DIR...        one JSON snapshot per run: state, liveness, heartbeat age
+    stop RUN_DIR GRACE_S    SIGTERM the trainer's process group, SIGKILL after GRACE_S, re-probe
+    have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
+    materialize RUN_DIR     build code/ and data/ from tree.json and the object store
+    seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
+    check REMOTE_DIR MIN_MB Python version, writable, free disk and inodes
+
+Liveness is an flock on RUN_DIR/launcher.lock, held by the launcher and inherited by the
+trainer: the kernel releases it when both are gone, whatever killed them, so a dead run can
+never look alive and a live one never looks dead (pids get reused; locks do not).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from tether.remote.fileio import atomic_write_json, read_json, sha256_file
+from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint
+
+FINAL = ("completed", "failed", "stopped")  # never launched again; the manifest is sealed
+HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
+ALREADY_RUNNING_EXIT = 3
+VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _path(run_dir: str, name: str) -> str:
+    return os.path.join(run_dir, name)
+
+
+def _now() -> float:
+    return round(time.time(), 3)
+
+
+def _event(run_dir: str, event: str, **fields: Any) -> None:
+    record = dict(fields, event=event, t=_now(), source="launcher")
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(_path(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def _update_state(run_dir: str, **changes: Any) -> Dict[str, Any]:
+    state = read_json(_path(run_dir, "state.json")) or {}
+    state.update(changes, updated_at=_now())
+    atomic_write_json(_path(run_dir, "state.json"), state)
+    return state
+
+
+def _try_lock(run_dir: str) -> Optional[int]:
+    """The locked fd of RUN_DIR/launcher.lock, or None when a live launcher or trainer holds it."""
+    fd = os.open(_path(run_dir, "launcher.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def is_alive(run_dir: str) -> bool:
+    """Whether a launcher or trainer of this run still lives (it holds the lock)."""
+    if not os.path.exists(_path(run_dir, "launcher.lock")):
+        return False
+    fd = _try_lock(run_dir)
+    if fd is None:
+        return True
+    os.close(fd)  # closing releases the probe's own lock at once
+    return False
+
+
+# ---------------------------------------------------------------- run
+
+
+def _trainer_command(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
+    argv = [sys.executable if a == "{python}" else a for a in spec["argv"]]
+    if resume:
+        argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
+    return argv
+
+
+def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    env.update(
+        TETHER_RUN_ID=spec["run_id"],
+        TETHER_RUN_DIR=run_dir,
+        TETHER_CHECKPOINT_DIR=_path(run_dir, "checkpoints"),
+        TETHER_CHECKPOINT_KEEP=str(spec.get("checkpoint_keep", 3)),
+        TETHER_CHECKPOINT_EVERY=str(spec.get("checkpoint_every", 0)),
+        TETHER_EVENTS=_path(run_dir, "events.jsonl"),
+        TETHER_ARTIFACTS_DIR=_path(run_dir, "artifacts"),
+        TETHER_DATA_DIR=_path(run_dir, "data"),
+        TETHER_RESUME_FROM=resume or "",
+        PYTHONUNBUFFERED="1",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (VERSION_DIR, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _resume_point(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
+    """The checkpoint to resume from: the script's own mapped file, else the runtime's latest."""
+    mapped = spec.get("checkpoint_path")
+    if mapped:
+        own = os.path.join(run_dir, "code", mapped)
+        saved = _path(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
+        if not os.path.exists(own) and os.path.exists(saved):
+            os.makedirs(os.path.dirname(own), exist_ok=True)
+            shutil.copy2(saved, own)
+        return own if os.path.exists(own) else None
+    return latest_checkpoint(_path(run_dir, "checkpoints"))
+
+
+def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
+    """Copy a script's own checkpoint file into checkpoints/ so the manifest and resumes see it."""
+    mapped = spec.get("checkpoint_path")
+    own = os.path.join(run_dir, "code", mapped) if mapped else ""
+    if own and os.path.exists(own):
+        target = _path(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
+        tmp = target + ".tmp-%d" % os.getpid()
+        shutil.copy2(own, tmp)
+        os.replace(tmp, target)
+
+
+class _Supervisor:
+    """Forwards stop signals to the trainer's process group and SIGKILLs after the grace time.
+
+    Installed before the trainer starts, so a signal in between is remembered, not lost.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.pgid, self.grace_s, self.signalled, self.pending = 0, grace_s, "", 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._forward)
+
+    def attach(self, pgid: int) -> None:
+        self.pgid = pgid
+        if self.pending:
+            self._forward(self.pending, None)
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        self.signalled = self.signalled or signal.Signals(signum).name
+        if not self.pgid:
+            self.pending = signum
+            return
+        sent = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
+        _killpg(self.pgid, sent)
+        timer = threading.Timer(self.grace_s, _killpg, (self.pgid, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _heartbeat(run_dir: str, done: threading.Event) -> None:
+    path = _path(run_dir, "heartbeat")
+    while not done.is_set():
+        with open(path, "a"):
+            os.utime(path)
+        done.wait(HEARTBEAT_S)
+
+
+def _outcome(run_dir: str, returncode: int, signalled: str) -> str:
+    if os.path.exists(_path(run_dir, "stop_requested")):
+        return "stopped"
+    if returncode == 0:
+        return "completed"
+    if returncode == PREEMPTED_EXIT:
+        return "preempted"
+    return "failed"
+
+
+def run(run_dir: str) -> int:
+    """Run the trainer once for this run dir; the exit code says whether it was started."""
+    lock = _try_lock(run_dir)
+    if lock is None:
+        print("run %s is already running" % run_dir, file=sys.stderr)
+        return ALREADY_RUNNING_EXIT
+    state = read_json(_path(run_dir, "state.json")) or {}
+    if state.get("status") in FINAL:
+        print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
+        return 0
+    spec = read_json(_path(run_dir, "run.json"))
+    for name in ("checkpoints", "artifacts"):
+        os.makedirs(_path(run_dir, name), exist_ok=True)
+    try:
+        os.unlink(_path(run_dir, "stop_requested"))
+    except FileNotFoundError:
+        pass
+    attempt = int(state.get("attempt", 0)) + 1
+    resume = _resume_point(run_dir, spec)
+    argv = _trainer_command(run_dir, spec, resume)
+    supervisor = _Supervisor(float(spec.get("grace_seconds", 30)))
+    with open(_path(run_dir, "train.log"), "ab") as log:
+        child = subprocess.Popen(
+            argv, cwd=_path(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
+        )
+    _update_state(
+        run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
+        restarts=attempt - 1, started_at=_now(), resumed_from=resume, host=os.uname()[1],
+        exit_code=None, ended_at=None, launcher_version=os.path.basename(VERSION_DIR),
+    )
+    _event(run_dir, "launch", attempt=attempt, resumed_from=resume, argv=argv)
+    supervisor.attach(child.pid)
+    done = threading.Event()
+    threading.Thread(target=_heartbeat, args=(run_dir, done), daemon=True).start()
+    returncode = child.wait()
+    _killpg(child.pid, signal.SIGKILL)  # leftover children (dataloader workers) go with it
+    done.set()
+    _keep_mapped_checkpoint(run_dir, spec)
+    status = _outcome(run_dir, returncode, supervisor.signalled)
+    _update_state(run_dir, status=status, exit_code=returncode, ended_at=_now(),
+                  signal=supervisor.signalled or None)
+    _event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt)
+    if status in FINAL:
+        seal(run_dir)
+    return 0
+
+
+def start(run_dir: str, timeout_s: float = 30.0) -> Dict[str, Any]:
+    """Start `run` detached and wait until it has taken the lock and recorded its pid."""
+    state = read_json(_path(run_dir, "state.json")) or {}
+    if state.get("status") in FINAL:
+        return {"outcome": "finished", "state": state}
+    if is_alive(run_dir):
+        return {"outcome": "running", "state": state}
+    with open(_path(run_dir, "launcher.log"), "ab") as log:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "tether.remote.launcher", "run", run_dir],
+            cwd=VERSION_DIR, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own session: a closed terminal or ssh channel is no signal
+        )
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        state = read_json(_path(run_dir, "state.json")) or {}
+        if state.get("pid") == daemon.pid:
+            return {"outcome": "started", "state": state}
+        code = daemon.poll()
+        if code is not None:
+            state = read_json(_path(run_dir, "state.json")) or {}
+            outcome = {ALREADY_RUNNING_EXIT: "running", 0: "finished"}.get(code, "error")
+            return {"outcome": outcome, "state": state, "exit_code": code}
+        time.sleep(0.02)
+    return {"outcome": "error", "state": state, "error": "launcher did not start in time"}
+
+
+# ---------------------------------------------------------------- probe and stop
+
+
+def probe(run_dir: str) -> Dict[str, Any]:
+    """A snapshot of one run: status (with `lost` for a dead non-final run), liveness, ages."""
+    if not os.path.isdir(run_dir):
+        return {"status": "absent"}
+    state = read_json(_path(run_dir, "state.json")) or {}
+    alive = is_alive(run_dir)
+    status = state.get("status", "pending")
+    if status in ("running", "pending") and not alive and state:
+        status = "lost"
+    snapshot = {"status": status, "alive": alive, "state": state, "now": _now(),
+                "sealed": os.path.exists(_path(run_dir, "PULL_MANIFEST.json"))}
+    try:
+        snapshot["heartbeat_age_s"] = round(time.time() - os.stat(_path(run_dir, "heartbeat")).st_mtime, 3)
+    except FileNotFoundError:
+        snapshot["heartbeat_age_s"] = None
+    return snapshot
+
+
+def _group_members(pgid: int) -> List[int]:
+    """Pids whose process group is `pgid` (Linux /proc), zombies excluded."""
+    members = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.split("/")[2]))
+    return members
+
+
+def _wait_until_dead(run_dir: str, pgid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if not is_alive(run_dir) and not (pgid and _group_members(pgid)):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
+    """SIGTERM the trainer's group (and launcher), SIGKILL after grace_s, then re-probe honestly."""
+    state = read_json(_path(run_dir, "state.json")) or {}
+    pgid, pid = int(state.get("pgid") or 0), int(state.get("pid") or 0)
+    if not is_alive(run_dir) and not (pgid and _group_members(pgid)):
+        return {"outcome": "was not running", "status": probe(run_dir)["status"]}
+    atomic_write_json(_path(run_dir, "stop_requested"), {"at": _now()})
+    if pid and _is_our_launcher(pid, run_dir):
+        os.kill(pid, signal.SIGTERM)  # the launcher forwards it and arms its own SIGKILL timer
+    _killpg(pgid, signal.SIGTERM)  # and directly, in case the launcher is already gone
+    if not _wait_until_dead(run_dir, pgid, grace_s + 5):
+        _killpg(pgid, signal.SIGKILL)
+        if pid and _is_our_launcher(pid, run_dir):
+            os.kill(pid, signal.SIGKILL)
+        _wait_until_dead(run_dir, pgid, 5)
+    survivors = _group_members(pgid) if pgid else []
+    if is_alive(run_dir) or survivors:
+        return {"outcome": "error", "survivors": survivors,
+                "error": "processes survived SIGKILL: %s" % survivors}
+    if (read_json(_path(run_dir, "state.json")) or {}).get("status") not in FINAL:
+        _update_state(run_dir, status="stopped", ended_at=_now())  # the launcher died first
+        seal(run_dir)
+    return {"outcome": "stopped", "status": probe(run_dir)["status"]}
+
+
+def _is_our_launcher(pid: int, run_dir: str) -> bool:
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return run_dir.encode() in f.read()
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- objects and sealing
+
+
+def object_path(objects_dir: str, sha256: str) -> str:
+    """Where the object store keeps the file whose SHA-256 is `sha256`."""
+    return os.path.join(objects_dir, sha256[:2], sha256)
+
+
+def have(objects_dir: str, hashes: List[str]) -> List[str]:
+    """The hashes in `hashes` the object store lacks."""
+    return [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
+
+
+def materialize(run_dir: str) -> Dict[str, Any]:
+    """Build code/ (copies: a frozen snapshot) and data/ (hard links) from tree.json, once."""
+    tree = read_json(_path(run_dir, "tree.json"))
+    objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
+    built = []
+    for root in ("code", "data"):
+        final = _path(run_dir, root)
+        if os.path.isdir(final):
+            continue
+        tmp = final + ".tmp-%d" % os.getpid()
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for entry in tree["files"]:
+            if entry["root"] == root:
+                _place(object_path(objects_dir, entry["sha256"]), os.path.join(tmp, entry["path"]),
+                       entry.get("mode", 0o644), link=(root == "data"))
+        os.replace(tmp, final)
+        built.append(root)
+    return {"built": built}
+
+
+def _place(source: str, target: str, mode: int, link: bool) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if link:
+        try:
+            os.link(source, target)
+            return
+        except OSError:
+            pass  # another filesystem, or links not allowed: copy instead
+    shutil.copyfile(source, target)
+    os.chmod(target, mode)
+
+
+def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, List[str]]:
+    """The files the manifest lists, and the declared artifacts that matched nothing."""
+    files = [n for n in ("run.json", "state.json", "events.jsonl", "train.log")
+             if os.path.isfile(_path(run_dir, n))]
+    latest = latest_checkpoint(_path(run_dir, "checkpoints"))
+    if latest:
+        files.append(os.path.relpath(latest, run_dir))
+    mapped = spec.get("checkpoint_path")
+    if mapped and os.path.isfile(_path(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))):
+        files.append(os.path.join("checkpoints", os.path.basename(mapped)))
+    artifacts, missing = _path(run_dir, "artifacts"), []
+    for pattern in spec.get("artifacts", []):
+        found = sorted(p for p in glob.glob(os.path.join(artifacts, pattern), recursive=True)
+                       if os.path.isfile(p))
+        missing += [] if found else [pattern]
+        files += [os.path.relpath(p, run_dir) for p in found]
+    return {"files": sorted(set(files)), "missing": missing}
+
+
+def seal(run_dir: str) -> Dict[str, Any]:
+    """Write PULL_MANIFEST.json (bytes and SHA-256 of every roster file) unless it exists."""
+    path = _path(run_dir, "PULL_MANIFEST.json")
+    existing = read_json(path)
+    if existing is not None:
+        return existing
+    spec = read_json(_path(run_dir, "run.json")) or {}
+    roster = _roster(run_dir, spec)
+    entries = []
+    for name in roster["files"]:
+        digest, size = sha256_file(_path(run_dir, name))
+        entries.append({"path": name, "bytes": size, "sha256": digest})
+    state = read_json(_path(run_dir, "state.json")) or {}
+    manifest = {"format": 1, "run_id": spec.get("run_id"), "status": state.get("status"),
+                "sealed_at": _now(), "files": entries, "missing": roster["missing"],
+                "artifacts": spec.get("artifacts", [])}
+    atomic_write_json(path, manifest)
+    return manifest
+
+
+def check(remote_dir: str, min_free_mb: int) -> Dict[str, Any]:
+    """What a preflight needs to know about this machine, from this machine."""
+    os.makedirs(remote_dir, mode=0o700, exist_ok=True)
+    probe_file = os.path.join(remote_dir, ".write-test-%d" % os.getpid())
+    try:
+        with open(probe_file, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe_file)
+        writable = True
+    except OSError:
+        writable = False
+    fs = os.statvfs(remote_dir)
+    return {"python": "%d.%d.%d" % sys.version_info[:3], "python_ok": sys.version_info >= (3, 8),
+            "writable": writable, "free_mb": fs.f_bavail * fs.f_frsize // (1 << 20),
+            "free_inodes": fs.f_favail, "min_free_mb": min_free_mb, "host": os.uname()[1]}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: List[str]) -> int:
+    command, args = argv[0], argv[1:]
+    if command == "run":
+        return run(args[0])
+    if command == "have":
+        result: Any = have(args[0], sys.stdin.read().split())
+    elif command == "probe":
+        result = {d: probe(d) for d in args}
+    elif command == "start":
+        result = start(args[0])
+    elif command == "stop":
+        result = stop(args[0], float(args[1]))
+    elif command == "materialize":
+        result = materialize(args[0])
+    elif command == "seal":
+        result = seal(args[0])
+    elif command == "check":
+        result = check(args[0], int(args[1]))
+    else:
+        print("unknown launcher command %r" % command, file=sys.stderr)
+        return 2
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Trainers: the far-side runtime, the `command` trainer and the built-in ones."""

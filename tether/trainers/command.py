@@ -1,0 +1,40 @@
+"""The `command` trainer: any program, run as-is; a script that resumes itself is mapped, not edited."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class Config:
+    """trainer: {type: command, command: "{python} train.py", resume_args: [...], checkpoint: PATH}
+
+    `{python}` in the command is the far side's interpreter; `{checkpoint}` in resume_args is
+    the checkpoint to resume from. `checkpoint` names a file the script writes itself
+    (relative to the code snapshot): it is kept with the run and restored before a resume.
+    """
+
+    command: Union[str, tuple[str, ...]]
+    type: str = "command"
+    resume_args: tuple[str, ...] = ()
+    checkpoint: Optional[str] = None
+    env: dict = field(default_factory=dict)
+
+    def launch_spec(self) -> dict:
+        """What the launcher needs to start this trainer (stored in run.json)."""
+        argv = shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
+        return {"argv": argv, "resume_args": list(self.resume_args),
+                "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
+
+    def problems(self) -> list[str]:
+        """What is wrong with this section beyond types (empty when nothing is)."""
+        found = []
+        if not self.launch_spec()["argv"]:
+            found.append("trainer.command is empty: give the program to run, e.g. \"{python} train.py\"")
+        if self.checkpoint and (self.checkpoint.startswith("/") or ".." in self.checkpoint.split("/")):
+            found.append("trainer.checkpoint must be a path inside the code snapshot, not %r" % self.checkpoint)
+        if self.resume_args and not self.checkpoint and not any("{checkpoint}" in a for a in self.resume_args):
+            found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
+        return found

@@ -36,8 +36,12 @@ def local_files(run: RunPaths) -> set[str]:
     return found
 
 
-def content_problem(path: str) -> str:
-    """Why a pulled file's content is unusable ('' when fine): JSON parses, torch checkpoints load."""
+def content_problem(path: str, notes: dict) -> str:
+    """Why a pulled file's content is unusable ('' when fine): JSON parses, torch checkpoints load.
+
+    A torch checkpoint (a zip archive) is loaded with weights_only=True when torch is installed;
+    `notes` counts what was loaded and what could only be checked by hash.
+    """
     name = os.path.basename(path)
     try:
         if name.endswith(".json"):
@@ -45,11 +49,15 @@ def content_problem(path: str) -> str:
                 json.loads(f.read())
         elif name.endswith(".jsonl"):
             with open(path, "rb") as f:
-                for number, line in enumerate(f, 1):
+                for line in f:
                     if line.strip():
                         json.loads(line)
-        elif zipfile.is_zipfile(path) and _torch() is not None:
-            _torch().load(path, map_location="cpu", weights_only=True)
+        elif zipfile.is_zipfile(path):
+            torch = _torch()
+            notes["torch_files"] = notes.get("torch_files", 0) + 1
+            if torch is not None:
+                torch.load(path, map_location="cpu", weights_only=True)
+                notes["torch_loaded"] = notes.get("torch_loaded", 0) + 1
     except Exception as err:  # any failure to parse or load is the finding
         return f"{type(err).__name__}: {str(err)[:200]}"
     return ""
@@ -57,7 +65,7 @@ def content_problem(path: str) -> str:
 
 def _torch():
     try:
-        import torch
+        import torch  # only when a torch checkpoint is there: the import costs a second
     except ImportError:
         return None
     return torch
@@ -71,7 +79,7 @@ def verify(run: RunPaths) -> dict:
     present = local_files(run)
     for extra in sorted(present - set(listed)):
         problems.append(f"{extra}: not in the manifest")
-    record = {}
+    record, notes = {}, {}
     for path, entry in sorted(listed.items()):
         local = run.pulled(path)
         if path not in present:
@@ -82,7 +90,7 @@ def verify(run: RunPaths) -> dict:
             problems.append(f"{path}: {size} bytes, sha256 {sha[:12]}; the manifest says "
                             f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]}")
             continue
-        bad = content_problem(local)
+        bad = content_problem(local, notes)
         if bad:
             problems.append(f"{path}: does not load: {bad}")
             continue
@@ -96,7 +104,7 @@ def verify(run: RunPaths) -> dict:
     verified = {"run_id": run.run_id, "manifest_sha256": manifest_sha, "files": record,
                 "bytes": sum(e["bytes"] for e in listed.values()), "verified_at": round(time.time(), 3),
                 "missing_declared": manifest.get("missing", []),
-                "torch_checked": _torch() is not None}
+                "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0)}
     atomic_write_json(run.verified, verified)
     return verified
 

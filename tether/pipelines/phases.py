@@ -228,9 +228,11 @@ def verify(s: Session) -> str:
     """Size and SHA-256 of every pulled file against the manifest, the roster exact both ways."""
     run = s.observed()
     verified = manifest.verify(run)
-    torch = "checkpoints loaded with weights_only=True" if verified["torch_checked"] else \
-        "torch is not installed, so checkpoints were checked by hash only"
-    return (f"{run.run_id}: verified {len(verified['files'])} files ({verified['bytes']} bytes); "
+    loaded, found = verified["torch_loaded"], verified["torch_files"]
+    torch = (f"; {loaded} torch checkpoint(s) loaded with weights_only=True" if loaded == found else
+             f"; torch is not installed here, so {found} torch checkpoint(s) were checked by hash only "
+             f"(pip install torch to load them)") if found else ""
+    return (f"{run.run_id}: verified {len(verified['files'])} files ({verified['bytes']} bytes)"
             f"{torch}; results in {run.files}")
 
 

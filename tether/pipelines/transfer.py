@@ -7,8 +7,6 @@ import sys
 import uuid
 from typing import Any
 
-from fsspec.callbacks import Callback
-
 from tether.errors import ManifestError
 from tether.remote.fileio import CHUNK, sha256_file
 
@@ -21,16 +19,20 @@ def bar(total: int, what: str) -> Any:
                 file=sys.stderr, leave=False, disable=None)
 
 
-class BarCallback(Callback):
-    """Feeds one shared tqdm bar from fsspec's per-file callbacks."""
+def bar_callback(progress: Any) -> Any:
+    """An fsspec callback feeding one shared tqdm bar (fsspec imported only when bytes move)."""
+    from fsspec.callbacks import Callback
 
-    def __init__(self, progress: Any) -> None:
-        super().__init__()
-        self.progress, self.reported = progress, 0
+    class BarCallback(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reported = 0
 
-    def call(self, *args: Any, **kwargs: Any) -> None:
-        self.progress.update(self.value - self.reported)
-        self.reported = self.value
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            progress.update(self.value - self.reported)
+            self.reported = self.value
+
+    return BarCallback()
 
 
 def put_atomic(fs: Any, local: str, remote: str, progress: Any) -> None:
@@ -38,7 +40,7 @@ def put_atomic(fs: Any, local: str, remote: str, progress: Any) -> None:
     tmp = f"{remote}.tmp-{uuid.uuid4().hex[:12]}"
     fs.makedirs(os.path.dirname(remote), exist_ok=True)
     try:
-        fs.put_file(local, tmp, callback=BarCallback(progress))
+        fs.put_file(local, tmp, callback=bar_callback(progress))
         fs.mv(tmp, remote)
     except BaseException:
         try:

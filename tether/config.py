@@ -43,6 +43,21 @@ class Checkpoint:
     every: int = field(default=0, metadata=_check(lambda v: v >= 0, "must be 0 (trainer decides) or more"))
 
 
+RESTART_POLICIES = ("never", "on-preempt", "on-failure")
+
+
+@dataclass(frozen=True)
+class Restart:
+    """When watch relaunches a run from its latest checkpoint, and how often at most.
+
+    on-preempt: after a signal-driven checkpoint-and-exit; on-failure: also after a crash.
+    """
+
+    policy: str = field(default="on-preempt", metadata=_check(lambda v: v in RESTART_POLICIES,
+                                                              "must be one of " + ", ".join(RESTART_POLICIES)))
+    max_restarts: int = field(default=3, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
+
+
 @dataclass(frozen=True)
 class Validation:
     """Warnings the user has read and accepts: case-sensitive substrings of their text."""
@@ -62,6 +77,7 @@ class Job:
     data: Paths = Paths(exclude=())
     artifacts: tuple[str, ...] = ()
     checkpoint: Checkpoint = Checkpoint()
+    restart: Restart = Restart()
     max_wall_seconds: float = field(default=7 * 24 * 3600.0, metadata=_check(lambda v: v > 0, "must be positive"))
     heartbeat_timeout_s: float = field(default=60.0, metadata=_check(lambda v: v > 0, "must be positive"))
     grace_seconds: float = field(default=30.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
@@ -275,6 +291,9 @@ def _check_job(job: Job, document: Any, problems: Problems) -> None:
     if job.heartbeat_timeout_s < 10:
         problems.warn(problems.at(document, "heartbeat_timeout_s"), "heartbeat_timeout_s below 10 s "
                       "can fail healthy runs on a slow far side (the launcher beats every 2 s)")
+    check_files = getattr(job.trainer, "check_files", None)
+    for message in check_files(job.root, job.data.paths) if check_files else ():
+        problems.error(problems.at(document, "trainer"), message)
     for path in job.code.paths + job.data.paths:
         if os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
             problems.error(problems.at(document), "path %r leaves the project folder %s: move the "

@@ -24,6 +24,7 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
     "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
     "tether/remote/launcher.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
+    "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
 )
 
 

@@ -79,7 +79,8 @@ class Session:
         """What the launcher needs (stored in run.json); everything in it is part of the run's identity."""
         spec = self.job.trainer.launch_spec()
         spec.update(checkpoint_keep=self.job.checkpoint.keep, checkpoint_every=self.job.checkpoint.every,
-                    grace_seconds=self.job.grace_seconds, trainer=asdict(self.job.trainer))
+                    grace_seconds=self.job.grace_seconds, trainer=asdict(self.job.trainer),
+                    restart=asdict(self.job.restart))
         return spec
 
     @functools.cached_property

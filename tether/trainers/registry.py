@@ -2,4 +2,5 @@
 
 TRAINER_TYPES = {
     "command": "tether.trainers.command",
+    "torch-classifier": "tether.trainers.torch_classifier",
 }

@@ -1,0 +1,122 @@
+"""The built-in `torch-classifier` trainer: a small MLP on a real dataset, resumable bit for bit.
+
+Locally, `Config` checks the `trainer:` section. On the far side this module runs as
+`python -m tether.trainers.torch_classifier` and reads its settings from run.json; the
+training itself lives in tether.trainers.torch_loop (imports torch only there).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+LAYERS = ("linear", "relu", "gelu", "tanh", "dropout", "layernorm")  # "linear:64", "dropout:0.1"
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULERS = ("cosine", "none")
+DEVICES = ("auto", "cpu", "cuda")
+DATASETS = ("digits",)  # shipped inside scikit-learn: no download
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """The user's own CSV or JSONL file (one of the job's `data.paths`) and its label column."""
+
+    path: Optional[str] = None
+    label_column: str = "label"
+
+
+@dataclass(frozen=True)
+class Config:
+    """trainer: {type: torch-classifier, layers: [linear:64, relu, ...], epochs: 20, ...}"""
+
+    type: str = "torch-classifier"
+    dataset: str = "digits"
+    data: DataSource = DataSource()
+    layers: tuple[str, ...] = ("linear:128", "relu", "dropout:0.1", "linear:64", "relu")
+    epochs: int = 20
+    batch_size: int = 64
+    lr: float = 0.003
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    scheduler: str = "cosine"
+    seed: int = 0
+    val_fraction: float = 0.2
+    device: str = "auto"
+    threads: int = 0  # 0: torch's default; bitwise resume needs the same count on every attempt
+    env: dict = field(default_factory=dict)
+
+    def launch_spec(self) -> dict:
+        return {"argv": ["{python}", "-m", "tether.trainers.torch_classifier"], "resume_args": [],
+                "checkpoint_path": None, "env": {str(k): str(v) for k, v in self.env.items()}}
+
+    def problems(self) -> list[str]:
+        found = [f"trainer.layers: unknown layer type {name!r} in {spec!r}; known: {', '.join(LAYERS)}"
+                 for spec in self.layers for name in [spec.split(":")[0]] if name not in LAYERS]
+        found += [f"trainer.layers: {spec!r} needs a number after ':' (e.g. linear:64, dropout:0.1)"
+                  for spec in self.layers if spec.split(":")[0] in ("linear", "dropout") and not _number(spec)]
+        for key, value, choices in (("optimizer", self.optimizer, OPTIMIZERS), ("scheduler", self.scheduler, SCHEDULERS),
+                                    ("device", self.device, DEVICES), ("dataset", self.dataset, DATASETS)):
+            if value not in choices:
+                found.append(f"trainer.{key}: unknown {value!r}; choose one of {', '.join(choices)}")
+        for key, value in (("epochs", self.epochs), ("batch_size", self.batch_size), ("lr", self.lr)):
+            if value <= 0:
+                found.append(f"trainer.{key} must be positive (got {value})")
+        if not 0 < self.val_fraction < 1:
+            found.append(f"trainer.val_fraction must be between 0 and 1 (got {self.val_fraction})")
+        return found
+
+    def check_files(self, root: str, data_paths: tuple[str, ...]) -> list[str]:
+        """Problems with the user's data file, found before anything is launched."""
+        if not self.data.path:
+            return []
+        if not any(_covers(p, self.data.path) for p in data_paths):
+            return [f"trainer.data.path {self.data.path!r} is not pushed: add it to data.paths"]
+        try:
+            columns, rows = read_table(os.path.join(root, self.data.path), self.data.label_column)
+        except (OSError, ValueError) as err:
+            return [f"trainer.data.path {self.data.path!r}: {err}"]
+        return [] if rows else [f"trainer.data.path {self.data.path!r} has no rows"]
+
+
+def _number(spec: str) -> bool:
+    try:
+        float(spec.split(":", 1)[1])
+        return True
+    except (IndexError, ValueError):
+        return False
+
+
+def _covers(pushed: str, path: str) -> bool:
+    pushed = pushed.rstrip("/")
+    return path == pushed or path.startswith(pushed + "/")
+
+
+def read_table(path: str, label_column: str) -> tuple[list[str], list[dict]]:
+    """(feature columns, rows) of a CSV or JSONL file; ValueError naming what is wrong."""
+    with open(path, newline="") as f:
+        if path.endswith((".jsonl", ".ndjson")):
+            rows = [json.loads(line) for line in f if line.strip()]
+        else:
+            rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError("the file is empty: it needs a header and at least one row")
+    if label_column not in rows[0]:
+        raise ValueError(f"no column {label_column!r}; columns: {', '.join(map(str, rows[0]))} "
+                         f"(set trainer.data.label_column)")
+    features = [c for c in rows[0] if c != label_column]
+    for number, row in enumerate(rows, 2):
+        for column in features:
+            try:
+                float(row[column])
+            except (TypeError, ValueError, KeyError):
+                raise ValueError(f"row {number}: column {column!r} is {row.get(column)!r}, not a number")
+    return features, rows
+
+
+if __name__ == "__main__":
+    from tether.trainers.torch_loop import main
+
+    main()

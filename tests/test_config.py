@@ -12,9 +12,11 @@ import re
 import pytest
 
 from tether import config
+from tether.backends import BACKEND_TYPES
 from tether.errors import ConfigError, RunError
 from tether.paths import check_run_id
 from tether.pipelines.session import VARIABLES, check_variables
+from tether.trainers.registry import TRAINER_TYPES
 
 # A clean job in the project the `project` fixture makes (demo/train.py and demo/points.csv exist).
 BASE = """\
@@ -38,7 +40,9 @@ backends:
 NO_ARTIFACTS = BASE.replace("artifacts: [model.json, metrics.json]\n", "")
 NO_ARTIFACTS_WARNING = "no artifacts declared"
 JOB_KEYS = ("artifacts, backend, backends, checkpoint, code, data, grace_seconds, heartbeat_timeout_s, "
-            "max_wall_seconds, name, trainer, validation")
+            "max_wall_seconds, name, restart, trainer, validation")
+TRAINERS = ", ".join(sorted(TRAINER_TYPES))  # the registry is the one source of truth for the list
+BACKENDS = ", ".join(sorted(BACKEND_TYPES))
 
 
 def edit(old: str, new: str, text: str = BASE) -> str:
@@ -238,6 +242,12 @@ def test_wrong_type_names_expected_type(project, old, new, expected):
     assert expected in done.stdout, output(done)
 
 
+def test_restart_policy_is_checked(project):
+    problems = load_problems(project, BASE + "restart: {policy: sometimes}\n")
+    assert len(problems) == 1, problems
+    assert "policy must be one of never, on-preempt, on-failure (got 'sometimes')" in problems[0], problems
+
+
 def test_wrong_type_for_a_section_says_mapping(project):
     problems = load_problems(project, edit("checkpoint: {keep: 3, every: 50}", "checkpoint: 3"))
     assert len(problems) == 1, problems
@@ -283,7 +293,7 @@ def test_unknown_backend_type_lists_available(project):
     problems = load_problems(project, text)
     assert len(problems) == 1, problems
     assert f"tether.yaml:{line_of(text, 'slurmx')}: error: " in problems[0], problems
-    assert "type 'slurmx'; available: local" in problems[0], problems
+    assert f"type 'slurmx'; available: {BACKENDS}" in problems[0], problems
 
 
 def test_unknown_trainer_type_lists_available(project):
@@ -291,14 +301,14 @@ def test_unknown_trainer_type_lists_available(project):
     project.write_config(text)
     done = project.doit("validate")
     assert done.returncode == 1, output(done)
-    assert f"tether.yaml:{line_of(text, 'pytorch')}: error: unknown trainer type 'pytorch'; available: command" \
+    assert f"tether.yaml:{line_of(text, 'pytorch')}: error: unknown trainer type 'pytorch'; available: {TRAINERS}" \
         in done.stdout, output(done)
 
 
 def test_trainer_without_type_says_type_is_missing(project):
     problems = load_problems(project, edit("  type: command\n", ""))
     assert len(problems) == 1, problems
-    assert "available: command" in problems[0], problems
+    assert f"available: {TRAINERS}" in problems[0], problems
     assert "'type'" in problems[0], problems  # says the key `type` is what is missing
     assert "None" not in problems[0], problems  # not "unknown trainer type None"
 

@@ -11,9 +11,6 @@ from tether.errors import BackendError
 from tether.paths import RunPaths
 from tether.pipelines.session import Session
 
-TERMINAL = ("completed", "failed", "stopped")
-
-
 class EventReader:
     """Reads events.jsonl from where it left off; only whole lines count."""
 

@@ -17,7 +17,7 @@ from tether.config import asdict
 from tether.errors import BackendError, ManifestError, RunError
 from tether.paths import RunPaths
 from tether.pipelines import transfer
-from tether.pipelines.observe import TERMINAL, EventReader, tail_text
+from tether.pipelines.observe import EventReader, tail_text
 from tether.pipelines.session import Session
 from tether.remote.fileio import atomic_write_json, read_json
 
@@ -51,7 +51,8 @@ def launch_done(s: Session) -> bool:
         return False
     if watch_done(s):
         return True
-    return s.snapshot(run)["status"] in ("running",) + TERMINAL
+    snap = s.snapshot(run)
+    return snap["status"] == "running" or snap.get("final", False)
 
 
 def watch_done(s: Session) -> bool:
@@ -109,7 +110,7 @@ def launch(s: Session) -> str:
     """Start the run detached, unless it is running or has ended (then only record that)."""
     run = s.run()
     snap = s.snapshot(run, fresh=True)
-    if snap["status"] in ("running",) + TERMINAL:
+    if snap["status"] == "running" or snap.get("final"):
         write_stamp(run, "launch", outcome="already " + snap["status"])
         return f"{run.run_id}: already {snap['status']}; not launched again"
     if snap["status"] in ("absent", "pending"):
@@ -139,8 +140,10 @@ def watch(s: Session, poll_min: float = 0.2, poll_max: float = 2.0) -> str:
             snap = s.snapshot(run, fresh=True)
             events = reader.read()
             _show(progress, reader, events)
-            if snap["status"] in TERMINAL:
+            if snap.get("final"):
                 break
+            if snap["status"] in ("preempted", "failed", "lost"):
+                _restart(s, run, snap)
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)
             time.sleep(interval)
@@ -166,14 +169,27 @@ def _show(progress, reader: EventReader, events: list[dict]) -> None:
     progress.refresh()
 
 
-def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
-    status, state = snap["status"], snap["state"]
+def _restart(s: Session, run: RunPaths, snap: dict) -> None:
+    """Relaunch from the latest checkpoint when the restart policy allows it, else say what to do."""
+    status, restarts = snap["status"], int(snap["state"].get("restarts") or 0)
+    policy, most = s.job.restart.policy, s.job.restart.max_restarts
+    allowed = (status == "preempted" and policy in ("on-preempt", "on-failure")) or \
+              (status == "failed" and policy == "on-failure")
+    if allowed and restarts < most:
+        result = s.backend.launch(run)
+        print(f"\n{run.run_id}: {status}; relaunched from its latest checkpoint "
+              f"(restart {restarts + 1} of at most {most}, {result['outcome']})", file=sys.stderr)
+        return
     if status == "lost":
         raise RunError(f"run {run.run_id} was lost: its launcher and trainer are gone without an "
                        f"exit record (machine rebooted?). `doit run train` relaunches it from its latest checkpoint")
-    if status == "preempted":
-        raise RunError(f"run {run.run_id} was preempted and saved a checkpoint: "
-                       f"`doit run train` resumes it")
+    why = f"restart policy {policy!r}" + (f", {restarts} of {most} restarts used" if allowed else "")
+    raise RunError(f"run {run.run_id} is {status} ({why}); it saved its progress: "
+                   f"`doit run train` resumes it from the latest checkpoint")
+
+
+def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
+    status, state = snap["status"], snap["state"]
     age = snap.get("heartbeat_age_s")
     if status == "running" and age is not None and age > s.job.heartbeat_timeout_s:
         raise RunError(f"run {run.run_id}: no heartbeat for {age:.0f}s (heartbeat_timeout_s is "

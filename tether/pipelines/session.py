@@ -84,10 +84,17 @@ class Session:
         return spec
 
     @functools.cached_property
+    def tree_hashes(self) -> dict[str, str | None]:
+        """SHA-256 of the code tree and of the data tree (None when nothing is pushed)."""
+        found = {}
+        for root in ("code", "data"):
+            entries = [e for e in self.entries if e.root == root]
+            found[root] = tree_hash(entries) if entries else None
+        return found
+
+    @functools.cached_property
     def job_hash(self) -> str:
-        parts = {"name": self.job.name, "backend": self.job.backend,
-                 "code": tree_hash([e for e in self.entries if e.root == "code"]),
-                 "data": tree_hash([e for e in self.entries if e.root == "data"]),
+        parts = {"name": self.job.name, "backend": self.job.backend, **self.tree_hashes,
                  "launch": self.launch_spec}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -139,8 +146,7 @@ class Session:
         run = self.paths(mint_run_id(self.job.name, self.job_hash))
         record = dict(self.launch_spec, run_id=run.run_id, name=self.job.name, config=self.job.source,
                       backend=self.job.backend, backend_type=self.backend.type, job_hash=self.job_hash,
-                      code_hash=tree_hash([e for e in self.entries if e.root == "code"]),
-                      data_hash=tree_hash([e for e in self.entries if e.root == "data"]),
+                      code_hash=self.tree_hashes["code"], data_hash=self.tree_hashes["data"],
                       artifacts=list(self.job.artifacts), created_at=round(time.time(), 3),
                       created_on=socket.gethostname(), tether_version=self.backend.version)
         atomic_write_json(run.run_json, record)

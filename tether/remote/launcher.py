@@ -34,10 +34,23 @@ from typing import Any, Dict, List, Optional
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
 from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint
 
-FINAL = ("completed", "failed", "stopped")  # never launched again; the manifest is sealed
+FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3
 VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def is_final(state: Dict[str, Any]) -> bool:
+    """Whether the run has ended for good: it is never launched again, and its manifest is sealed."""
+    return bool(state.get("final")) or state.get("status") in FINAL
+
+
+def _decide_final(status: str, spec: Dict[str, Any], attempt: int) -> bool:
+    """`failed` stays open for a relaunch under `restart: on-failure` while restarts remain."""
+    restart = spec.get("restart") or {}
+    if status == "failed":
+        return not (restart.get("policy") == "on-failure" and attempt <= int(restart.get("max_restarts", 0)))
+    return status in FINAL
 
 
 def _path(run_dir: str, name: str) -> str:
@@ -200,7 +213,7 @@ def run(run_dir: str) -> int:
         print("run %s is already running" % run_dir, file=sys.stderr)
         return ALREADY_RUNNING_EXIT
     state = read_json(_path(run_dir, "state.json")) or {}
-    if state.get("status") in FINAL:
+    if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
     spec = read_json(_path(run_dir, "run.json"))
@@ -223,9 +236,9 @@ def run(run_dir: str) -> int:
     _update_state(
         run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
         restarts=attempt - 1, started_at=_now(), resumed_from=resume, host=os.uname()[1],
-        exit_code=None, ended_at=None, launcher_version=os.path.basename(VERSION_DIR),
+        exit_code=None, ended_at=None, final=False, launcher_version=os.path.basename(VERSION_DIR),
     )
-    _event(run_dir, "launch", attempt=attempt, resumed_from=resume, argv=argv)
+    _event(run_dir, "launch", attempt=attempt, restarts=attempt - 1, resumed_from=resume, argv=argv)
     supervisor.attach(child.pid)
     done = threading.Event()
     threading.Thread(target=_heartbeat, args=(run_dir, done), daemon=True).start()
@@ -234,10 +247,11 @@ def run(run_dir: str) -> int:
     done.set()
     _keep_mapped_checkpoint(run_dir, spec)
     status = _outcome(run_dir, returncode, supervisor.signalled)
-    _update_state(run_dir, status=status, exit_code=returncode, ended_at=_now(),
+    final = _decide_final(status, spec, attempt)
+    _update_state(run_dir, status=status, final=final, exit_code=returncode, ended_at=_now(),
                   signal=supervisor.signalled or None)
-    _event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt)
-    if status in FINAL:
+    _event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
+    if final:
         seal(run_dir)
     return 0
 
@@ -245,7 +259,7 @@ def run(run_dir: str) -> int:
 def start(run_dir: str, timeout_s: float = 30.0) -> Dict[str, Any]:
     """Start `run` detached and wait until it has taken the lock and recorded its pid."""
     state = read_json(_path(run_dir, "state.json")) or {}
-    if state.get("status") in FINAL:
+    if is_final(state):
         return {"outcome": "finished", "state": state}
     if is_alive(run_dir):
         return {"outcome": "running", "state": state}
@@ -281,7 +295,7 @@ def probe(run_dir: str) -> Dict[str, Any]:
     status = state.get("status", "pending")
     if status in ("running", "pending") and not alive and state:
         status = "lost"
-    snapshot = {"status": status, "alive": alive, "state": state, "now": _now(),
+    snapshot = {"status": status, "final": is_final(state), "alive": alive, "state": state, "now": _now(),
                 "sealed": os.path.exists(_path(run_dir, "PULL_MANIFEST.json"))}
     try:
         snapshot["heartbeat_age_s"] = round(time.time() - os.stat(_path(run_dir, "heartbeat")).st_mtime, 3)
@@ -332,8 +346,8 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
     if is_alive(run_dir) or survivors:
         return {"outcome": "error", "survivors": survivors,
                 "error": "processes survived SIGKILL: %s" % survivors}
-    if (read_json(_path(run_dir, "state.json")) or {}).get("status") not in FINAL:
-        _update_state(run_dir, status="stopped", ended_at=_now())  # the launcher died first
+    if not is_final(read_json(_path(run_dir, "state.json")) or {}):
+        _update_state(run_dir, status="stopped", final=True, ended_at=_now())  # the launcher died first
         seal(run_dir)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -11,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tether.pipelines import tasks
 
+    os.makedirs(".tether", exist_ok=True)  # doit opens its dependency file there before any task runs
     tasks.catch_signals()
     namespace = dict(tasks.task_creators(tasks.doit_variables), DOIT_CONFIG=tasks.DOIT_CONFIG)
     try:

@@ -128,8 +128,10 @@ def suggest(word: str, choices: typing.Iterable[str]) -> str:
 
 def _type_name(hint: Any) -> str:
     origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
     if origin is tuple:
-        return "a list of %s" % _type_name(typing.get_args(hint)[0]).replace("a ", "", 1)
+        return "a list of %ss" % _type_name(typing.get_args(hint)[0]).replace("a ", "", 1).replace("an ", "", 1)
     if origin is Union:
         return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
     if origin is dict:
@@ -178,8 +180,10 @@ def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str,
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
     hints = typing.get_type_hints(cls)
     values = {}
-    public = sorted(n for n in fields if n not in ("source", "root", "warnings"))
+    public = sorted(n for n in list(fields) + list(skip) if n not in ("source", "root", "warnings"))
     for key, value in node.items():
+        if key in skip:
+            continue  # valid, and read by the caller
         if key not in public:
             problems.error(problems.at(node, key), "unknown key %r in %s%s; valid keys: %s"
                            % (key, where, suggest(key, public), ", ".join(public)))
@@ -194,7 +198,7 @@ def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str,
             problems.error(at, "%s %s (got %r)" % (key, test[1], coerced))
             continue
         values[key] = coerced
-    missing = [n for n, f in fields.items() if n not in values and n in public
+    missing = [n for n, f in fields.items() if n not in values and n in public and n not in skip
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     for name in missing:
         if not any(name in e for e in problems.errors):
@@ -210,6 +214,9 @@ def _typed_section(node: Any, registry: dict, what: str, problems: Problems, whe
         problems.error(where, "%s must be a mapping with a 'type' key" % what)
         return None
     kind = node.get("type")
+    if "type" not in node:
+        problems.error(problems.at(node), "%s needs a 'type' key; available: %s" % (what, ", ".join(sorted(registry))))
+        return None
     if kind not in registry:
         problems.error(problems.at(node, "type") if "type" in node else problems.at(node),
                        "unknown %s type %r%s; available: %s"
@@ -251,58 +258,70 @@ def parse_yaml(path: str) -> Any:
 
 def load(path: str, backend: Optional[str] = None) -> Job:
     """Read, check and freeze the job in `path`; `backend` (from the command line) wins over the file's."""
-    from tether.backends import BACKEND_TYPES
-    from tether.trainers.registry import TRAINER_TYPES
-
     document = parse_yaml(path)
     problems = Problems(path)
-    trainer = _typed_section(document.get("trainer"), TRAINER_TYPES, "trainer", problems,
-                             problems.at(document, "trainer") if "trainer" in document else problems.at(document))
-    backends = {}
-    raw_backends = document.get("backends") or {}
-    if not isinstance(raw_backends, dict) or not raw_backends:
-        problems.error(problems.at(document, "backends") if "backends" in document else path,
-                       "backends must map a name to a backend, e.g. backends: {local: {type: local}}")
-        raw_backends = {}
-    for name, node in raw_backends.items():
-        backends[str(name)] = _typed_section(node, BACKEND_TYPES, "backend %r" % name, problems,
-                                             problems.at(raw_backends, name))
-    rest = {k: v for k, v in document.items() if k not in ("trainer", "backends")}
-    job = build(Job, rest, problems, "the job", skip=("trainer", "backends"))
+    trainer, backends = _sections(document, problems)
+    job = build(Job, document, problems, "the job", skip=("trainer", "backends"))
     chosen = backend or (job.backend if job else "") or (next(iter(backends)) if len(backends) == 1 else "")
     if chosen not in backends and backends:
         source = "backend=%s" % chosen if backend else problems.at(document, "backend")
         problems.error(source, "unknown backend %r%s; defined: %s"
                        % (chosen, suggest(chosen, backends), ", ".join(sorted(backends)))
                        if chosen else "several backends are defined: name one with backend: or backend=NAME")
+    root = os.path.dirname(os.path.abspath(path))
+    if job is not None:
+        _check_paths(job, root, document, problems)
+        if trainer is not None and hasattr(trainer, "check_files"):
+            for message in trainer.check_files(root, job.data.paths):
+                problems.error(problems.at(document, "trainer"), message)
     if job is None or problems.errors or any(v is None for v in backends.values()) or trainer is None:
         raise ConfigError(problems.errors or ["%s: error: the config is incomplete" % path])
     job = dataclasses.replace(job, trainer=trainer, backends=backends, backend=chosen,
-                              source=os.path.abspath(path), root=os.path.dirname(os.path.abspath(path)))
-    _check_job(job, document, problems)
+                              source=os.path.abspath(path), root=root)
+    _warn(job, document, problems)
     return dataclasses.replace(job, warnings=tuple(acknowledged(problems.warnings, job.validation.acknowledge, path)))
 
 
-def _check_job(job: Job, document: Any, problems: Problems) -> None:
-    """Checks across sections: paths that must exist (errors), likely mistakes (warnings)."""
+def _sections(document: Any, problems: Problems) -> tuple[Any, dict]:
+    """The `trainer:` and `backends:` sections, each typed by its own `type:`."""
+    from tether.backends import BACKEND_TYPES
+    from tether.trainers.registry import TRAINER_TYPES
+
+    where = problems.at(document, "trainer") if "trainer" in document else problems.at(document)
+    trainer = _typed_section(document.get("trainer"), TRAINER_TYPES, "trainer", problems, where)
+    backends = {}
+    raw = document.get("backends") or {}
+    if not isinstance(raw, dict) or not raw:
+        problems.error(problems.at(document, "backends") if "backends" in document else problems.source,
+                       "backends must map a name to a backend, e.g. backends: {local: {type: local}}")
+        raw = {}
+    for name, node in raw.items():
+        backends[str(name)] = _typed_section(node, BACKEND_TYPES, "backend %r" % name, problems,
+                                             problems.at(raw, name))
+    return trainer, backends
+
+
+def _check_paths(job: Job, root: str, document: Any, problems: Problems) -> None:
+    """Every code and data path exists and stays inside the project folder (errors at their line)."""
+    for section in ("code", "data"):
+        node = (document.get(section) or {}).get("paths") if isinstance(document.get(section), dict) else None
+        for index, path in enumerate(getattr(job, section).paths):
+            at = problems.at(node, index) if node is not None else problems.at(document, section)
+            if os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
+                problems.error(at, "path %r leaves the project folder %s: move the config file up, "
+                               "or the files in" % (path, root))
+            elif not os.path.exists(os.path.join(root, path)):
+                problems.error(at, "path %r does not exist (paths are relative to %s)" % (path, root))
+
+
+def _warn(job: Job, document: Any, problems: Problems) -> None:
+    """Things that are allowed but usually a mistake."""
     if not job.artifacts:
         problems.warn(problems.at(document), "no artifacts declared: only logs and the latest "
                       "checkpoint come home; list result files under artifacts:")
     if job.heartbeat_timeout_s < 10:
         problems.warn(problems.at(document, "heartbeat_timeout_s"), "heartbeat_timeout_s below 10 s "
                       "can fail healthy runs on a slow far side (the launcher beats every 2 s)")
-    check_files = getattr(job.trainer, "check_files", None)
-    for message in check_files(job.root, job.data.paths) if check_files else ():
-        problems.error(problems.at(document, "trainer"), message)
-    for path in job.code.paths + job.data.paths:
-        if os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
-            problems.error(problems.at(document), "path %r leaves the project folder %s: move the "
-                           "config file up, or the files in" % (path, job.root))
-        elif not os.path.exists(os.path.join(job.root, path)):
-            problems.error(problems.at(document), "path %r does not exist (paths are relative to %s)"
-                           % (path, job.root))
-    if problems.errors:
-        raise ConfigError(problems.errors)
 
 
 def acknowledged(warnings: list[str], acks: tuple[str, ...], source: str) -> list[str]:

@@ -148,7 +148,7 @@ def validate(variables: Callable[[], dict[str, str]]) -> Any:
     except ConfigError as err:
         for problem in err.problems:
             print(problem)
-        return TaskFailed(f"{len(err.problems)} error(s) in the config")
+        return TaskFailed(f"{len(err.problems)} error(s) in the config or the command line")
     for warning in job.warnings:
         print(warning)
     if job.warnings and found.get("strict") in ("1", "yes", "true"):

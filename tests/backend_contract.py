@@ -234,7 +234,7 @@ class BackendContract:
         self.go(backend, run)
         done = self.wait_status(backend, run, "completed")
         assert done["state"]["exit_code"] == 0
-        assert done["sealed"] is True
+        assert done["sealed"] is True and done["final"] is True
 
         fs = backend.filesystem()
         manifest = json.loads(fs.cat_file(run.remote_file("PULL_MANIFEST.json")))

@@ -80,10 +80,12 @@ class Project:
         return self.root / ".tether" / "remote" / "runs" / (run_id or self.run_ids()[-1])
 
     def events(self, run_id: str | None = None) -> list[dict]:
+        if not (run_id or self.run_ids()):
+            return []
         path = self.remote_run(run_id) / "events.jsonl"
         if not path.exists():
             return []
-        lines = path.read_text().splitlines()
+        lines = path.read_text().split("\n")[:-1]  # a line still being written is not yet an event
         return [json.loads(line) for line in lines if line.strip()]
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 60, what: str = "") -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from backend_contract import BackendContract, wait_for
+from backend_contract import BackendContract
 from tether.backends.local import Backend, Config
 
 
@@ -88,8 +88,10 @@ class TestLocalBackend(BackendContract):
         pgid, launcher_pid = state["pgid"], state["pid"]
         assert len(ready["children"]) == 4 and all(alive(p) for p in ready["children"])
         assert set(ready["children"]) <= set(group(pgid))
+        t0 = time.monotonic()
         outcome = backend.stop(run, 2.0)
         assert outcome["outcome"] == "stopped", outcome
+        assert time.monotonic() - t0 < 5.0  # the launcher cleared the group, not stop's late SIGKILL
         assert group(pgid) == []
         assert [p for p in ready["children"] if alive(p)] == []
         assert not alive(launcher_pid)

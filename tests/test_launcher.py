@@ -129,6 +129,9 @@ def test_start_runs_to_completion_and_seals_a_true_manifest(make_run):
     live = launcher.probe(run_dir)
     assert live["status"] == "running" and live["alive"] is True and live["sealed"] is False
     assert live["heartbeat_age_s"] is not None and live["heartbeat_age_s"] < 30
+    beat = os.stat(Path(run_dir, "heartbeat")).st_mtime_ns
+    wait_for(lambda: os.stat(Path(run_dir, "heartbeat")).st_mtime_ns > beat, "the heartbeat to be touched again",
+             timeout=launcher.HEARTBEAT_S * 5)
     assert not Path(run_dir, "PULL_MANIFEST.json").exists()
     assert alive(live["state"]["pgid"])
 
@@ -176,6 +179,8 @@ def test_start_of_a_finished_run_runs_nothing(make_run):
     again = launcher.start(run_dir)
     assert again["outcome"] == "finished", again
     assert again["state"]["status"] == "completed"
+    # start decided from state.json alone: no launcher process was spawned to find out
+    assert "already ended" not in Path(run_dir, "launcher.log").read_text()
     # the foreground `run` (what a SLURM requeue calls) refuses as well
     direct = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "run", run_dir],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -268,15 +273,30 @@ def test_stop_leaves_no_process_of_the_group_alive(make_run):
     assert len(children) == 4 and all(alive(p) for p in children)
     assert set(children) | {pgid} <= set(group(pgid))
 
+    t0 = time.monotonic()
     outcome = launcher.stop(run_dir, 2.0)
+    elapsed = time.monotonic() - t0
     assert outcome["outcome"] == "stopped", outcome
     assert outcome["status"] == "stopped"
+    # the launcher cleared the group as soon as the trainer died (stop's own SIGKILL comes after grace + 5 s)
+    assert elapsed < 5.0, elapsed
     assert group(pgid) == []
     assert [p for p in children if alive(p)] == []  # incl. one that ignores SIGTERM
     assert not alive(launcher_pid)
     assert state(run_dir)["status"] == "stopped"
     snap = launcher.probe(run_dir)
     assert snap["alive"] is False and snap["sealed"] is True
+
+
+def test_children_left_behind_by_a_finished_trainer_are_killed(make_run):
+    run_dir = make_run("--children")  # exits 0 without reaping its children
+    started = launcher.start(run_dir)
+    assert started["outcome"] == "started"
+    done = wait_status(run_dir, "completed")
+    children = events(run_dir, "ready")[0]["children"]
+    assert len(children) == 4
+    assert group(done["state"]["pgid"]) == []
+    assert [p for p in children if alive(p)] == []
 
 
 def test_stop_sigkills_a_trainer_that_ignores_sigterm_after_the_grace(make_run):
@@ -429,11 +449,11 @@ def test_save_checkpoint_keeps_only_the_newest(runtime_env, tmp_path, monkeypatc
     logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"], e["bytes"]) for e in logged] == [("checkpoint", s, 2) for s in range(1, 6)]
 
-    monkeypatch.setenv("TETHER_CHECKPOINT_KEEP", "3")  # the launcher's setting when keep is not given
-    for step in range(6, 9):
+    monkeypatch.setenv("TETHER_CHECKPOINT_KEEP", "4")  # the launcher's setting when keep is not given
+    for step in range(6, 12):
         runtime.save_checkpoint(lambda f: f.write(b"x"), step)
     assert [os.path.basename(p) for p in runtime.checkpoints()] == [
-        "ckpt-000000000006.ckpt", "ckpt-000000000007.ckpt", "ckpt-000000000008.ckpt"]
+        "ckpt-000000000008.ckpt", "ckpt-000000000009.ckpt", "ckpt-000000000010.ckpt", "ckpt-000000000011.ckpt"]
 
 
 def test_latest_checkpoint_of_a_missing_folder_is_none(tmp_path):
@@ -470,7 +490,8 @@ def test_sigkill_in_the_middle_of_a_checkpoint_keeps_the_previous_one(runtime_en
     marker = tmp_path / "mid-write"
     script = tmp_path / "writer.py"
     script.write_text(KILLED_MID_WRITE)
-    proc = subprocess.Popen([sys.executable, str(script), str(marker)], env=dict(os.environ))
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # the tether under test, whatever is installed
+    proc = subprocess.Popen([sys.executable, str(script), str(marker)], env=env)
     try:
         wait_for(lambda: marker.exists() or proc.poll() is not None, "the writer to reach the middle")
         assert proc.poll() is None, "the writer exited before the test could kill it"

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,15 @@ def stamp(project, phase: str) -> bool:
     return bool(project.run_ids()) and (project.local_run() / f"{phase}.json").exists()
 
 
+def poll(predicate, timeout: float, what: str, interval: float = 0.001) -> None:
+    """`project.wait_for` with a finer grain, to catch windows of a few milliseconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie (nothing here reaps orphans, so zombies linger)."""
     try:
@@ -187,11 +197,19 @@ def processes_of_run(run_id: str, run_dir: Path, pgid: int) -> list[str]:
 
 
 def _kill_when(project, proc: Background, condition, what: str) -> None:
+    """SIGKILL doit's whole process group (not the detached launcher) once `condition` holds."""
     try:
-        project.wait_for(condition, timeout=90, what=what)
+        project.wait_for(lambda: condition() or proc.proc.poll() is not None, timeout=90, what=what)
     finally:
-        proc.killpg(signal.SIGKILL)
-        assert proc.finish() == -signal.SIGKILL
+        ended = proc.proc.poll()
+        try:
+            proc.killpg(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        code = proc.finish()
+    assert ended is None, (f"doit ended by itself (exit {ended}) before {what}:\n"
+                           + proc.text("stdout") + proc.text("stderr"))
+    assert code == -signal.SIGKILL
 
 
 def _rerun_completes(project, run_id: str, artifacts=("model.json", "metrics.json")) -> None:
@@ -254,34 +272,121 @@ block = os.urandom(1 << 20)
 with open(os.path.join(out, "big.bin"), "wb") as f:
     for i in range(200):  # 200 MiB, every MiB different
         f.write(i.to_bytes(4, "big") + block[4:])
+        runtime.log("step", step=i + 1, total_steps=200, loss=0.5)
 with open(os.path.join(out, "model.json"), "w") as f:
     f.write('{"w": [1, 2]}')
-runtime.log("step", step=1, total_steps=1, loss=0.5)
 """
 
 
 def test_sigkill_during_pull_resumes_the_partial_file(project):
     use_trainer(project, "big.py", BIG, "big.bin, model.json")
-    proc = start(project, "run", "train")
-
-    def big_part() -> Path:
-        return project.local_run() / "files" / "artifacts" / "big.bin.part"
+    project.doit("run", "launch", check=True)
+    run_id = only_run_id(project)
+    project.wait_for(lambda: (project.remote_run(run_id) / "PULL_MANIFEST.json").exists(), what="the seal")
+    big_part = project.local_run(run_id) / "files" / "artifacts" / "big.bin.part"
 
     def mid_pull() -> bool:
         try:
-            return bool(project.run_ids()) and big_part().stat().st_size > 0
+            return big_part.stat().st_size > 0
         except FileNotFoundError:
             return False
 
+    proc = start(project, "run", "train")
     _kill_when(project, proc, mid_pull, "a partial big.bin.part")
-    run_id = only_run_id(project)
-    partial = big_part().stat().st_size if big_part().exists() else 0
+    partial = big_part.stat().st_size
     assert 0 < partial < 200 << 20, f"the pull was not caught in the middle ({partial} bytes)"
     assert not (project.local_run(run_id) / "PULL_VERIFIED.json").exists()
-    inode = big_part().stat().st_ino
+    inode = big_part.stat().st_ino
     _rerun_completes(project, run_id, artifacts=("big.bin", "model.json"))
     # the partial file was continued (the same file, appended to), not fetched again from zero
     assert (project.local_run(run_id) / "files" / "artifacts" / "big.bin").stat().st_ino == inode
+
+
+def launcher_probes(run_dir: Path) -> set[int]:
+    """Pids of the far-side `launcher probe` commands looking at this run right now (watch polls with them)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            if b"probe" in argv and str(run_dir).encode() in argv:
+                found.add(int(entry.name))
+    return found
+
+
+def test_watch_waits_for_the_seal_before_pull(project):
+    """The launcher records the run as completed, then hashes its files into PULL_MANIFEST.json (for a
+    200 MiB artifact, a moment). The launcher is paused (SIGSTOP) in exactly that gap, standing for a
+    slow disk: watch must keep waiting (polls seen) instead of handing over to a pull that fails."""
+    use_trainer(project, "big.py", BIG, "big.bin, model.json")
+    proc = start(project, "run", "train")
+
+    def unsealed() -> bool:
+        if not project.run_ids() or proc.proc.poll() is not None:
+            return proc.proc.poll() is not None
+        run_dir = project.remote_run()
+        return (far_state(project, run_dir.name).get("status") == "completed"
+                and not (run_dir / "PULL_MANIFEST.json").exists())
+
+    poll(unsealed, timeout=90, what="the run completed but not sealed yet")
+    assert proc.proc.poll() is None, proc.text("stdout") + proc.text("stderr")
+    run_id = only_run_id(project)
+    run_dir = project.remote_run(run_id)
+    launcher = far_state(project, run_id)["pid"]
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        assert not (run_dir / "PULL_MANIFEST.json").exists(), "sealed before the launcher could be paused"
+        seen: set[int] = set()
+
+        def polls_or_exit() -> bool:  # a pull that gives up probes once too: four polls prove watch waits
+            seen.update(launcher_probes(run_dir))
+            return len(seen) >= 4 or proc.proc.poll() is not None
+
+        project.wait_for(polls_or_exit, timeout=60, what="watch polling the unsealed run")
+        assert proc.proc.poll() is None, ("doit left watch while the run was completed but not sealed:\n"
+                                          + proc.text("stdout") + proc.text("stderr"))
+    finally:
+        os.kill(launcher, signal.SIGCONT)
+    assert proc.finish(timeout=120) == 0, ("train failed after the seal gap:\n"
+                                           + proc.text("stdout") + proc.text("stderr"))
+    assert launches(project, run_id) == 1
+    assert_verified(project, run_id, artifacts=("big.bin", "model.json"))
+
+
+def test_sigkill_while_the_code_snapshot_is_half_built(project):
+    """push builds code/ then data/ on the far side; killed in between, the same command must still
+    give the run its data (not launch it without, to fail for good)."""
+    many = project.root / "demo" / "many"
+    many.mkdir()
+    for i in range(1000):  # enough files that linking data/ takes a moment
+        (many / f"part-{i:04d}.txt").write_text(f"{i}\n")
+    text = (project.root / "tether.yaml").read_text()
+    project.write_config(text.replace("paths: [demo/points.csv]", "paths: [demo/points.csv, demo/many]"))
+    proc = start(project, "run", "train")
+
+    def half_built() -> bool:
+        if proc.proc.poll() is not None:
+            return True
+        if not project.run_ids():
+            return False
+        run_dir = project.remote_run()
+        return (run_dir / "code").is_dir() and not (run_dir / "data").is_dir()
+
+    try:
+        poll(half_built, timeout=90, what="code/ built and data/ not yet")
+        assert proc.proc.poll() is None, proc.text("stdout") + proc.text("stderr")
+    finally:
+        proc.killpg(signal.SIGKILL)
+        proc.finish()
+    run_id = only_run_id(project)
+    again = project.doit("run", "train", timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (project.remote_run(run_id) / "data" / "demo" / "points.csv").is_file()
+    assert (project.remote_run(run_id) / "data" / "demo" / "many" / "part-0999.txt").read_text() == "999\n"
+    assert launches(project, run_id) == 1
+    assert_verified(project, run_id)
 
 
 # ---------------------------------------------------------------- Ctrl-C and SIGTERM leave the run going

@@ -99,8 +99,7 @@ class Backend:
 
     def launcher(self, command: str, *args: str, stdin: bytes = b"") -> Any:
         """Run one launcher command on the far side and decode its JSON answer."""
-        argv = ["env", f"PYTHONPATH={self.version_dir}", self.python, "-m",
-                "tether.remote.launcher", command, *args]
+        argv = [self.python, f"{self.version_dir}/tether/remote/launcher.py", command, *args]
         out = self._execute(argv, stdin)
         try:
             return json.loads(out.strip().splitlines()[-1])
@@ -163,11 +162,13 @@ class Backend:
         return self.launcher("stop", run.remote_abs, str(grace_s))
 
     def teardown(self, run: RunPaths) -> str:
-        """Remove the run dir on the far side (the object store stays); idempotent."""
+        """Remove the run dir on the far side (the object store stays); idempotent; never a live run."""
         fs = self.filesystem()
         try:
             fs.info(run.remote)
         except FileNotFoundError:
             return "already removed: no action needed"
+        if self.state(run)["alive"]:
+            raise BackendError(f"run {run.run_id} is still running: `doit stop run={run.run_id}` first")
         fs.rm(run.remote, recursive=True)
         return f"removed {run.remote_abs}"

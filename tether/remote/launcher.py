@@ -1,7 +1,7 @@
 """The far-side launcher: runs one trainer, records its life in files, seals the results.
 
 Copied to `<remote_dir>/tether/<version-hash>/` and run there as
-`python -m tether.remote.launcher COMMAND ...` (stdlib only, Python >= 3.8):
+`python <version dir>/tether/remote/launcher.py COMMAND ...` (stdlib only, Python >= 3.8):
 
     start RUN_DIR           start `run` detached (own session), return once it holds the lock
     run RUN_DIR             run the trainer in the foreground (a SLURM job script calls this)
@@ -19,17 +19,22 @@ never look alive and a live one never looks dead (pids get reused; locks do not)
 
 from __future__ import annotations
 
-import fcntl
-import glob
-import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
-from typing import Any, Dict, List, Optional
+
+if __name__ == "__main__":
+    # Import the copy this file belongs to: never a `tether` package in the folder we start from.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fcntl  # noqa: E402 (after the path is set)
+import glob  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Dict, List, Optional  # noqa: E402
 
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
 from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint
@@ -197,12 +202,13 @@ def _heartbeat(run_dir: str, done: threading.Event) -> None:
 
 
 def _outcome(run_dir: str, returncode: int, signalled: str) -> str:
+    """completed, stopped (tether's stop), preempted (a signal from outside, or exit 75), or failed."""
     if os.path.exists(_path(run_dir, "stop_requested")):
         return "stopped"
     if returncode == 0:
         return "completed"
-    if returncode == PREEMPTED_EXIT:
-        return "preempted"
+    if returncode == PREEMPTED_EXIT or signalled:
+        return "preempted"  # the scheduler or an admin ended it: resumable from its checkpoints
     return "failed"
 
 
@@ -265,7 +271,7 @@ def start(run_dir: str, timeout_s: float = 30.0) -> Dict[str, Any]:
         return {"outcome": "running", "state": state}
     with open(_path(run_dir, "launcher.log"), "ab") as log:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "tether.remote.launcher", "run", run_dir],
+            [sys.executable, os.path.abspath(__file__), "run", run_dir],
             cwd=VERSION_DIR, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own session: a closed terminal or ssh channel is no signal
         )
@@ -466,7 +472,8 @@ def check(remote_dir: str, min_free_mb: int) -> Dict[str, Any]:
 
 
 def main(argv: List[str]) -> int:
-    command, args = argv[0], argv[1:]
+    command = argv[0]
+    args = [os.path.normpath(a) if a.startswith("/") else a for a in argv[1:]]
     if command == "run":
         return run(args[0])
     if command == "have":

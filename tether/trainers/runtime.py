@@ -74,8 +74,12 @@ def save_checkpoint(write: Callable[[BinaryIO], None], step: int, keep: Optional
     path = os.path.join(folder, "ckpt-%012d.ckpt" % step)
     atomic_write(path, write)
     keep = keep or int(os.environ.get("TETHER_CHECKPOINT_KEEP", "3"))
-    for old in checkpoints(folder)[:-keep]:
+    others = [p for p in checkpoints(folder) if p != path]  # never the one just written
+    for old in others[:max(0, len(others) - (keep - 1))]:
         os.unlink(old)
+    for name in os.listdir(folder):  # temporary files of writes that were killed half-way
+        if ".tmp-" in name and not name.endswith(".tmp-%d" % os.getpid()):
+            os.unlink(os.path.join(folder, name))
     fsync_dir(folder)
     log("checkpoint", step=step, path=os.path.basename(path), bytes=os.path.getsize(path))
     return path

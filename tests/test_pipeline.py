@@ -4,9 +4,12 @@ Interruptions: SIGKILL of the whole doit process group at each phase boundary, i
 watch and in the middle of pull; Ctrl-C (SIGINT to the group) and SIGTERM during watch. Safety:
 a corrupted pulled file, and `down` refused until the results here are verified. `doit stop` on
 a trainer with children, run identity (what mints a new run), the `tether` command, and a
-trainer that fails.
+trainer that fails. The last section holds what these tests found missing: watch handing over
+to pull before the far side sealed its manifest, a launcher killed before sealing, a half-built
+code snapshot, and `down` trusting file timestamps.
 
-Every wait polls a condition (`project.wait_for`); nothing sleeps a fixed time.
+Every wait polls a condition (`project.wait_for`, or `poll` for windows of milliseconds); nothing
+sleeps a fixed time.
 """
 
 from __future__ import annotations
@@ -196,10 +199,13 @@ def processes_of_run(run_id: str, run_dir: Path, pgid: int) -> list[str]:
 # ---------------------------------------------------------------- SIGKILL anywhere, then the same command
 
 
-def _kill_when(project, proc: Background, condition, what: str) -> None:
-    """SIGKILL doit's whole process group (not the detached launcher) once `condition` holds."""
+def _kill_when(project, proc: Background, condition, what: str, may_finish: bool = False) -> None:
+    """SIGKILL doit's whole process group (not the detached launcher) once `condition` holds.
+
+    `may_finish`: the command may have ended by itself (successfully) just as the condition came true.
+    """
     try:
-        project.wait_for(lambda: condition() or proc.proc.poll() is not None, timeout=90, what=what)
+        poll(lambda: condition() or proc.proc.poll() is not None, timeout=90, what=what, interval=0.002)
     finally:
         ended = proc.proc.poll()
         try:
@@ -207,9 +213,11 @@ def _kill_when(project, proc: Background, condition, what: str) -> None:
         except ProcessLookupError:
             pass
         code = proc.finish()
-    assert ended is None, (f"doit ended by itself (exit {ended}) before {what}:\n"
-                           + proc.text("stdout") + proc.text("stderr"))
-    assert code == -signal.SIGKILL
+    output = proc.text("stdout") + proc.text("stderr")
+    if may_finish and ended == 0:
+        return
+    assert ended is None, f"doit ended by itself (exit {ended}) before {what}:\n{output}"
+    assert code == -signal.SIGKILL, output
 
 
 def _rerun_completes(project, run_id: str, artifacts=("model.json", "metrics.json")) -> None:
@@ -245,7 +253,7 @@ def test_sigkill_during_separate_phase_commands(project):
     """`doit run up`, `doit run push`, `doit run launch` one by one, each SIGKILLed at its own stamp."""
     for phase in ("up", "push", "launch"):
         proc = start(project, "run", phase)
-        _kill_when(project, proc, lambda: stamp(project, phase), f"{phase}.json")
+        _kill_when(project, proc, lambda: stamp(project, phase), f"{phase}.json", may_finish=True)
         # the same command again is complete and up to date, or finishes the job
         again = project.doit("run", phase)
         assert again.returncode == 0, again.stdout + again.stderr
@@ -300,93 +308,6 @@ def test_sigkill_during_pull_resumes_the_partial_file(project):
     _rerun_completes(project, run_id, artifacts=("big.bin", "model.json"))
     # the partial file was continued (the same file, appended to), not fetched again from zero
     assert (project.local_run(run_id) / "files" / "artifacts" / "big.bin").stat().st_ino == inode
-
-
-def launcher_probes(run_dir: Path) -> set[int]:
-    """Pids of the far-side `launcher probe` commands looking at this run right now (watch polls with them)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-            if b"probe" in argv and str(run_dir).encode() in argv:
-                found.add(int(entry.name))
-    return found
-
-
-def test_watch_waits_for_the_seal_before_pull(project):
-    """The launcher records the run as completed, then hashes its files into PULL_MANIFEST.json (for a
-    200 MiB artifact, a moment). The launcher is paused (SIGSTOP) in exactly that gap, standing for a
-    slow disk: watch must keep waiting (polls seen) instead of handing over to a pull that fails."""
-    use_trainer(project, "big.py", BIG, "big.bin, model.json")
-    proc = start(project, "run", "train")
-
-    def unsealed() -> bool:
-        if not project.run_ids() or proc.proc.poll() is not None:
-            return proc.proc.poll() is not None
-        run_dir = project.remote_run()
-        return (far_state(project, run_dir.name).get("status") == "completed"
-                and not (run_dir / "PULL_MANIFEST.json").exists())
-
-    poll(unsealed, timeout=90, what="the run completed but not sealed yet")
-    assert proc.proc.poll() is None, proc.text("stdout") + proc.text("stderr")
-    run_id = only_run_id(project)
-    run_dir = project.remote_run(run_id)
-    launcher = far_state(project, run_id)["pid"]
-    os.kill(launcher, signal.SIGSTOP)
-    try:
-        assert not (run_dir / "PULL_MANIFEST.json").exists(), "sealed before the launcher could be paused"
-        seen: set[int] = set()
-
-        def polls_or_exit() -> bool:  # a pull that gives up probes once too: four polls prove watch waits
-            seen.update(launcher_probes(run_dir))
-            return len(seen) >= 4 or proc.proc.poll() is not None
-
-        project.wait_for(polls_or_exit, timeout=60, what="watch polling the unsealed run")
-        assert proc.proc.poll() is None, ("doit left watch while the run was completed but not sealed:\n"
-                                          + proc.text("stdout") + proc.text("stderr"))
-    finally:
-        os.kill(launcher, signal.SIGCONT)
-    assert proc.finish(timeout=120) == 0, ("train failed after the seal gap:\n"
-                                           + proc.text("stdout") + proc.text("stderr"))
-    assert launches(project, run_id) == 1
-    assert_verified(project, run_id, artifacts=("big.bin", "model.json"))
-
-
-def test_sigkill_while_the_code_snapshot_is_half_built(project):
-    """push builds code/ then data/ on the far side; killed in between, the same command must still
-    give the run its data (not launch it without, to fail for good)."""
-    many = project.root / "demo" / "many"
-    many.mkdir()
-    for i in range(1000):  # enough files that linking data/ takes a moment
-        (many / f"part-{i:04d}.txt").write_text(f"{i}\n")
-    text = (project.root / "tether.yaml").read_text()
-    project.write_config(text.replace("paths: [demo/points.csv]", "paths: [demo/points.csv, demo/many]"))
-    proc = start(project, "run", "train")
-
-    def half_built() -> bool:
-        if proc.proc.poll() is not None:
-            return True
-        if not project.run_ids():
-            return False
-        run_dir = project.remote_run()
-        return (run_dir / "code").is_dir() and not (run_dir / "data").is_dir()
-
-    try:
-        poll(half_built, timeout=90, what="code/ built and data/ not yet")
-        assert proc.proc.poll() is None, proc.text("stdout") + proc.text("stderr")
-    finally:
-        proc.killpg(signal.SIGKILL)
-        proc.finish()
-    run_id = only_run_id(project)
-    again = project.doit("run", "train", timeout=120)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert (project.remote_run(run_id) / "data" / "demo" / "points.csv").is_file()
-    assert (project.remote_run(run_id) / "data" / "demo" / "many" / "part-0999.txt").read_text() == "999\n"
-    assert launches(project, run_id) == 1
-    assert_verified(project, run_id)
 
 
 # ---------------------------------------------------------------- Ctrl-C and SIGTERM leave the run going
@@ -471,24 +392,6 @@ def test_flipped_byte_fails_verify_blocks_down_and_pull_repairs_it(project):
     assert launches(project, run_id) == 1
 
 
-def test_down_rehashes_a_file_changed_behind_its_timestamp(project):
-    """Bit rot (or a tool that restores mtimes) leaves size and mtime as they were: down must still refuse."""
-    project.doit("run", "train", check=True)
-    run_id = only_run_id(project)
-    pulled = project.local_run(run_id) / "files" / "artifacts" / "model.json"
-    before = pulled.stat()
-    corrupt = bytearray(pulled.read_bytes())
-    corrupt[len(corrupt) // 2] ^= 0x01
-    pulled.write_bytes(bytes(corrupt))
-    os.utime(pulled, ns=(before.st_atime_ns, before.st_mtime_ns))
-    far_before = far_listing(project, run_id)
-
-    refused = project.doit("run", "down", "confirm=yes")
-    assert refused.returncode != 0, refused.stdout + refused.stderr
-    assert "artifacts/model.json" in refused.stderr, refused.stderr
-    assert far_listing(project, run_id) == far_before
-
-
 # ---------------------------------------------------------------- down
 
 
@@ -518,8 +421,8 @@ def test_down_is_refused_until_verified_then_removes_once(project):
     assert removed.returncode == 0, removed.stdout + removed.stderr
     assert not project.remote_run(run_id).exists()
     assert (project.local_run(run_id) / "down.json").exists()
-    assert_local_results_kept = json.loads((project.local_run(run_id) / "PULL_VERIFIED.json").read_text())
-    for path in assert_local_results_kept["files"]:
+    kept = json.loads((project.local_run(run_id) / "PULL_VERIFIED.json").read_text())
+    for path in kept["files"]:
         assert (project.local_run(run_id) / "files" / path).is_file(), path
 
     again = project.doit("run", "down", "confirm=yes")
@@ -609,13 +512,15 @@ def test_stop_on_a_finished_run_says_it_was_not_running(project):
 def test_run_identity_trainer_edit_mints_artifacts_edit_does_not(project):
     project.doit("run", "train", check=True)
     first = only_run_id(project)
+    steps_30 = json.loads((project.local_run(first) / "files" / "artifacts" / "metrics.json").read_text())["steps"]
 
     same = project.doit("run", "train", check=True)
     assert ".  " not in same.stdout, same.stdout
     assert project.run_ids() == [first]
 
     text = (project.root / "tether.yaml").read_text()
-    edited = text.replace("artifacts: [model.json, metrics.json]", "artifacts: [model.json, metrics.json, '*.txt']")
+    edited = text.replace("artifacts: [model.json, metrics.json]",
+                          "artifacts: [model.json, metrics.json, '*.txt']")
     assert edited != text
     project.write_config(edited)
     after_artifacts = project.doit("run", "train", check=True)
@@ -631,7 +536,8 @@ def test_run_identity_trainer_edit_mints_artifacts_edit_does_not(project):
     assert ".  launch" in minted.stdout and second in minted.stdout
     assert launches(project, first) == 1 and launches(project, second) == 1
     assert_verified(project, second)
-    assert json.loads((project.local_run(second) / "files" / "artifacts" / "metrics.json").read_text())["steps"] == 31 * 25
+    metrics = json.loads((project.local_run(second) / "files" / "artifacts" / "metrics.json").read_text())
+    assert metrics["steps"] == steps_30 // 30 * 31  # the new run really trained 31 epochs
     assert project.remote_run(first).is_dir()
 
     # back to the first config: its run is found again and up to date
@@ -697,3 +603,131 @@ def test_failed_run_reports_the_log_and_still_pulls(project):
     again = project.doit("run", "train", timeout=120)
     assert again.returncode != 0 and "marker 31337" in again.stderr, again.stdout + again.stderr
     assert launches(project, run_id) == 1
+
+
+# ---------------------------------------------------------------- gaps found while writing these tests
+
+
+def launcher_probes(run_dir: Path) -> set[int]:
+    """Pids of the far-side `launcher probe` commands looking at this run right now (watch polls with them)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            if b"probe" in argv and str(run_dir).encode() in argv:
+                found.add(int(entry.name))
+    return found
+
+
+def test_watch_waits_for_the_seal_before_pull(project):
+    """The launcher records the run as completed, then hashes its files into PULL_MANIFEST.json (for a
+    200 MiB artifact, a moment). The launcher is paused (SIGSTOP) in exactly that gap, standing for a
+    slow disk: watch must keep waiting (polls seen) instead of handing over to a pull that fails."""
+    use_trainer(project, "big.py", BIG, "big.bin, model.json")
+    proc = start(project, "run", "train")
+
+    def unsealed() -> bool:
+        if not project.run_ids() or proc.proc.poll() is not None:
+            return proc.proc.poll() is not None
+        run_dir = project.remote_run()
+        return (far_state(project, run_dir.name).get("status") == "completed"
+                and not (run_dir / "PULL_MANIFEST.json").exists())
+
+    poll(unsealed, timeout=90, what="the run completed but not sealed yet")
+    assert proc.proc.poll() is None, proc.text("stdout") + proc.text("stderr")
+    run_id = only_run_id(project)
+    run_dir = project.remote_run(run_id)
+    launcher = far_state(project, run_id)["pid"]
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        assert not (run_dir / "PULL_MANIFEST.json").exists(), "sealed before the launcher could be paused"
+        seen: set[int] = set()
+
+        def polls_or_exit() -> bool:  # a pull that gives up probes once too: four polls prove watch waits
+            seen.update(launcher_probes(run_dir))
+            return len(seen) >= 4 or proc.proc.poll() is not None
+
+        project.wait_for(polls_or_exit, timeout=60, what="watch polling the unsealed run")
+        assert proc.proc.poll() is None, ("doit left watch while the run was completed but not sealed:\n"
+                                          + proc.text("stdout") + proc.text("stderr"))
+    finally:
+        os.kill(launcher, signal.SIGCONT)
+    assert proc.finish(timeout=120) == 0, ("train failed after the seal gap:\n"
+                                           + proc.text("stdout") + proc.text("stderr"))
+    assert launches(project, run_id) == 1
+    assert_verified(project, run_id, artifacts=("big.bin", "model.json"))
+
+
+def test_launcher_killed_before_the_seal_still_comes_home(project):
+    """The far side's launcher SIGKILLed after it recorded `completed` and before PULL_MANIFEST.json:
+    every result is on the far side, so the same `train` must seal and bring them home, not fail for good."""
+    use_trainer(project, "big.py", BIG, "big.bin, model.json")
+    project.doit("run", "launch", check=True)
+    run_id = only_run_id(project)
+    run_dir = project.remote_run(run_id)
+    poll(lambda: far_state(project, run_id).get("status") == "completed"
+         or (run_dir / "PULL_MANIFEST.json").exists(), timeout=90, what="the run to complete")
+    os.kill(far_state(project, run_id)["pid"], signal.SIGKILL)
+    assert not (run_dir / "PULL_MANIFEST.json").exists(), "sealed before the launcher could be killed"
+    project.wait_for(lambda: not processes_of_run(run_id, run_dir, far_state(project, run_id)["pgid"]),
+                     what="the launcher to be gone")
+
+    again = project.doit("run", "train", timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert launches(project, run_id) == 1
+    assert_verified(project, run_id, artifacts=("big.bin", "model.json"))
+
+
+def test_sigkill_while_the_code_snapshot_is_half_built(project):
+    """push builds code/ then data/ on the far side; killed in between, the same command must still
+    give the run its data (not launch it without, to fail for good)."""
+    many = project.root / "demo" / "many"
+    many.mkdir()
+    for i in range(1000):  # enough files that linking data/ takes a moment
+        (many / f"part-{i:04d}.txt").write_text(f"{i}\n")
+    text = (project.root / "tether.yaml").read_text()
+    project.write_config(text.replace("paths: [demo/points.csv]", "paths: [demo/points.csv, demo/many]"))
+    proc = start(project, "run", "train")
+
+    def half_built() -> bool:
+        if proc.proc.poll() is not None:
+            return True
+        if not project.run_ids():
+            return False
+        run_dir = project.remote_run()
+        return (run_dir / "code").is_dir() and not (run_dir / "data").is_dir()
+
+    try:
+        poll(half_built, timeout=90, what="code/ built and data/ not yet")
+        assert proc.proc.poll() is None, proc.text("stdout") + proc.text("stderr")
+    finally:
+        proc.killpg(signal.SIGKILL)
+        proc.finish()
+    run_id = only_run_id(project)
+    again = project.doit("run", "train", timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (project.remote_run(run_id) / "data" / "demo" / "points.csv").is_file()
+    assert (project.remote_run(run_id) / "data" / "demo" / "many" / "part-0999.txt").read_text() == "999\n"
+    assert launches(project, run_id) == 1
+    assert_verified(project, run_id)
+
+
+def test_down_rehashes_a_file_changed_behind_its_timestamp(project):
+    """Bit rot (or a tool that restores mtimes) leaves size and mtime as they were: down must still refuse."""
+    project.doit("run", "train", check=True)
+    run_id = only_run_id(project)
+    pulled = project.local_run(run_id) / "files" / "artifacts" / "model.json"
+    before = pulled.stat()
+    corrupt = bytearray(pulled.read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0x01
+    pulled.write_bytes(bytes(corrupt))
+    os.utime(pulled, ns=(before.st_atime_ns, before.st_mtime_ns))
+    far_before = far_listing(project, run_id)
+
+    refused = project.doit("run", "down", "confirm=yes")
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    assert "artifacts/model.json" in refused.stderr, refused.stderr
+    assert far_listing(project, run_id) == far_before

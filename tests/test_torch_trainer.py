@@ -118,7 +118,10 @@ def kill_inside_a_checkpoint_write(project) -> list[str]:
     """SIGKILL launcher and trainer as soon as a checkpoint's temporary file exists; what was left."""
     project.wait_for(lambda: project.run_ids() and (project.remote_run() / "checkpoints").is_dir(), 120)
     checkpoints = project.remote_run() / "checkpoints"
-    project.wait_for(lambda: any(".tmp-" in n for n in os.listdir(checkpoints)), 120, "a checkpoint write")
+    def writing_after_a_whole_one() -> bool:
+        names = os.listdir(checkpoints)
+        return any(".tmp-" in n for n in names) and any(n.endswith(".ckpt") for n in names)
+    project.wait_for(writing_after_a_whole_one, 120, "a checkpoint write after a complete one")
     current = state(project)
     os.kill(current["pid"], signal.SIGKILL)
     os.killpg(current["pgid"], signal.SIGKILL)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import time
 from pathlib import Path
@@ -109,6 +111,6 @@ class TestLocalBackend(BackendContract):
         (decoy / "tether" / "remote" / "__init__.py").write_text("")
         (decoy / "tether" / "remote" / "launcher.py").write_text('print(\'{"decoy": true}\')\n')
         monkeypatch.chdir(decoy)
-        found = backend.launcher("check", backend.remote_dir, "1")
+        found = backend.launcher("check", stdin=json.dumps(backend.settings()).encode())
         assert "decoy" not in found, "the launcher came from the working folder, not the copied version"
         assert found["python_ok"] is True

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from backend_contract import ARTIFACTS, TRAINER, wait_for
-from tether.remote import launcher
+from tether.remote import launcher, machine, objects
 from tether.trainers import runtime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -374,10 +374,11 @@ def test_probe_command_answers_for_several_runs_and_absent_ones(make_run, tmp_pa
 
 
 def test_check_reports_this_machine(tmp_path):
-    found = launcher.check(str(tmp_path / "remote"), 1)
+    found = machine.check({"remote_dir": str(tmp_path / "remote"), "require": ["json", "no_such_module_x"]})
     assert found["python_ok"] is True and found["writable"] is True
     assert found["free_mb"] > 1 and found["free_inodes"] > 0
     assert os.listdir(tmp_path / "remote") == []  # its write test leaves nothing
+    assert found["missing_modules"] == ["no_such_module_x"]
 
 
 # ---------------------------------------------------------------- objects
@@ -388,7 +389,7 @@ def test_materialize_builds_code_and_data_from_the_object_store(tmp_path):
     contents = {"train": b"print('hi')\n", "tool": b"#!/bin/sh\necho tool\n", "csv": b"a,b\n1,2\n"}
     hashes = {k: sha256_bytes(v) for k, v in contents.items()}
     for key, data in contents.items():
-        obj = Path(launcher.object_path(str(remote / "objects"), hashes[key]))
+        obj = Path(objects.object_path(str(remote / "objects"), hashes[key]))
         obj.parent.mkdir(parents=True, exist_ok=True)
         obj.write_bytes(data)
     run_dir = remote / "runs" / "m1"
@@ -401,26 +402,26 @@ def test_materialize_builds_code_and_data_from_the_object_store(tmp_path):
     ]}
     (run_dir / "tree.json").write_text(json.dumps(tree))
 
-    assert sorted(launcher.materialize(str(run_dir))["built"]) == ["code", "data"]
+    assert sorted(objects.materialize(str(run_dir))["built"]) == ["code", "data"]
     assert (run_dir / "code" / "train.py").read_bytes() == contents["train"]
     assert (run_dir / "code" / "bin" / "tool.sh").read_bytes() == contents["tool"]
     assert (run_dir / "code" / "bin" / "tool.sh").stat().st_mode & 0o777 == 0o755
     assert (run_dir / "code" / "copy-of-points.csv").stat().st_mode & 0o777 == 0o600
     assert (run_dir / "data" / "sets" / "points.csv").read_bytes() == contents["csv"]
-    csv_object = Path(launcher.object_path(str(remote / "objects"), hashes["csv"]))
+    csv_object = Path(objects.object_path(str(remote / "objects"), hashes["csv"]))
     # code is a frozen copy; data may share the object's bytes
     assert (run_dir / "code" / "copy-of-points.csv").stat().st_ino != csv_object.stat().st_ino
     assert sorted(p.name for p in run_dir.iterdir()) == ["code", "data", "tree.json"]  # no tmp left
-    assert launcher.materialize(str(run_dir))["built"] == []  # once
+    assert objects.materialize(str(run_dir))["built"] == []  # once
 
 
 def test_have_lists_the_hashes_the_store_lacks(tmp_path):
     objects = tmp_path / "objects"
     present = sha256_bytes(b"here")
-    Path(launcher.object_path(str(objects), present)).parent.mkdir(parents=True)
-    Path(launcher.object_path(str(objects), present)).write_bytes(b"here")
+    Path(objects.object_path(str(objects), present)).parent.mkdir(parents=True)
+    Path(objects.object_path(str(objects), present)).write_bytes(b"here")
     lacking = [sha256_bytes(b"one"), sha256_bytes(b"two")]
-    assert launcher.have(str(objects), [lacking[0], present, lacking[1]]) == lacking
+    assert objects.have(str(objects), [lacking[0], present, lacking[1]]) == lacking
     out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "have", str(objects)],
                          input="\n".join([present, *lacking]) + "\n", cwd=REPO,
                          capture_output=True, text=True, timeout=60)

@@ -23,7 +23,7 @@ from tether.paths import RunPaths
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
     "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
-    "tether/remote/launcher.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
+    "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
 )
 
@@ -128,26 +128,45 @@ class Backend:
             fs.rm(tmp, recursive=True)
         return True
 
-    def check(self) -> Report:
+    def settings(self) -> dict:
+        """What the far side needs to know for a check or a launch (env, GPU choice); no secrets in argv."""
+        return {"remote_dir": self.remote_dir, "gpus": "none", "env": {}}
+
+    def prepare(self) -> None:
+        """Make the far side ready before its preflight (the ssh backend builds its venv here)."""
+
+    def check(self, require: tuple[str, ...] = ()) -> Report:
         """Preflight: can a run start here? (The launcher must be installed first.)"""
         report = Report(self.name)
+        settings = dict(self.settings(), require=list(require))
         try:
-            found = self.launcher("check", self.remote_dir, str(self.min_free_mb))
+            found = self.launcher("check", stdin=json.dumps(settings).encode())
         except BackendError as err:
             report.add("python", False, f"{self.python}: {err}")
             return report
-        report.add("python", found["python_ok"], f"{self.python} is Python {found['python']}"
+        report.add("python", found["python_ok"], f"{self.python} is Python {found['python']} ({found['executable']})"
                    + ("" if found["python_ok"] else " (3.8 or newer needed)"))
         report.add("writable", found["writable"], self.remote_dir)
-        report.add("disk", found["free_mb"] >= found["min_free_mb"],
-                   f"{found['free_mb']} MB free under {self.remote_dir} (want {found['min_free_mb']})")
+        report.add("disk", found["free_mb"] >= self.min_free_mb,
+                   f"{found['free_mb']} MB free under {self.remote_dir} (want {self.min_free_mb})")
         report.add("inodes", found["free_inodes"] >= 1000, f"{found['free_inodes']} free inodes")
-        self._check_host(report)
+        missing = found["missing_modules"]
+        report.add("modules", not missing, f"missing: {', '.join(missing)} (the trainer imports them)"
+                   if missing else f"{', '.join(require) or 'none needed'}")
+        _gpu_items(report, found, settings)
         return report
 
     def launch(self, run: RunPaths) -> dict:
         """Start the run detached; never a second copy of a live or finished run."""
-        return self.launcher("start", run.remote_abs)
+        return self.launcher("start", run.remote_abs, stdin=json.dumps(self.settings()).encode())
+
+    def fetch_policy(self, path: str, size: int) -> str:
+        """'' to fetch a manifest file, else why it stays on the far side."""
+        return ""
+
+    def prune(self) -> dict:
+        """Remove far-side objects that no run references."""
+        return self.launcher("prune", self.remote_dir)
 
     def states(self, runs: list[RunPaths]) -> dict[str, dict]:
         """One snapshot per run, in one far-side round trip."""
@@ -172,3 +191,24 @@ class Backend:
             raise BackendError(f"run {run.run_id} is still running: `doit stop run={run.run_id}` first")
         fs.rm(run.remote, recursive=True)
         return f"removed {run.remote_abs}"
+
+
+def _gpu_items(report: Report, found: dict, settings: dict) -> None:
+    """The GPU lines of a preflight: what is there, which one a run would get, torch's kernels."""
+    if settings.get("gpus", "none") == "none":
+        return
+    if "gpu_error" in found:
+        report.add("gpu", False, found["gpu_error"])
+        return
+    if not found.get("gpus"):
+        report.add("gpu", True, "no GPU found (nvidia-smi absent or empty): the trainer runs on the CPU")
+        return
+    listed = "; ".join(f"{g['index']}: {g['name']}, {g['memory_free_mb']}/{g['memory_total_mb']} MB free, "
+                       f"{g['utilization_pct']}% busy" for g in found["gpus"])
+    report.add("gpu", True, f"{listed}; a run gets CUDA_VISIBLE_DEVICES={found['gpu_env'].get('CUDA_VISIBLE_DEVICES')}")
+    torch = found.get("torch")
+    if torch and torch.get("torch"):
+        bad = torch.get("unsupported", [])
+        report.add("torch kernels", not bad, f"torch {torch['torch']} (CUDA {torch['cuda']}) lacks kernels for "
+                   f"{', '.join(bad)}: install a torch build for these GPUs" if bad else
+                   f"torch {torch['torch']} has kernels for these GPUs")

@@ -105,7 +105,8 @@ def stop(s: Session) -> str:
 
 def check(s: Session) -> Optional[str]:
     s.backend.install_launcher()
-    report = s.backend.check()
+    s.backend.prepare()
+    report = s.backend.check(s.job.trainer.requires())
     print(json.dumps(report.as_dict(), sort_keys=True) if s.variables.get("json") else report.text())
     if not report.ready:
         raise BackendError(f"backend {s.job.backend} is not ready: fix the checks marked NO")

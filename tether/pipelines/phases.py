@@ -76,7 +76,8 @@ def up(s: Session) -> str:
     """Preflight the backend and copy the launcher there (once per version)."""
     run = s.run()
     copied = s.backend.install_launcher()
-    report = s.backend.check()
+    s.backend.prepare()
+    report = s.backend.check(s.job.trainer.requires())
     if not report.ready:
         raise BackendError(report.text() + "\nfix the checks marked NO, then run `doit run train` again")
     write_stamp(run, "up", slice=up_slice(s), launcher=s.backend.version, report=report.as_dict())

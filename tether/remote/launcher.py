@@ -9,8 +9,12 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     stop RUN_DIR GRACE_S    SIGTERM the trainer's process group, SIGKILL after GRACE_S, re-probe
     have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
     materialize RUN_DIR     build code/ and data/ from tree.json and the object store
+    prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
-    check REMOTE_DIR MIN_MB Python version, writable, free disk and inodes
+    check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
+
+`start` reads its settings as JSON on stdin (extra environment, GPU choice): secrets never
+appear on a command line, and land in RUN_DIR/launch_env.json with mode 0600.
 
 Liveness is an flock on RUN_DIR/launcher.lock, held by the launcher and inherited by the
 trainer: the kernel releases it when both are gone, whatever killed them, so a dead run can
@@ -36,6 +40,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
+from tether.remote import machine, objects
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
 from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint
 
@@ -74,6 +79,15 @@ def _event(run_dir: str, event: str, **fields: Any) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+def _write_private(path: str, data: Dict[str, Any]) -> None:
+    """Write JSON readable by the owner only (it may hold secrets), atomically."""
+    tmp = path + ".tmp-%d" % os.getpid()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def _update_state(run_dir: str, **changes: Any) -> Dict[str, Any]:
@@ -118,6 +132,7 @@ def _trainer_command(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) 
 def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    env.update({str(k): str(v) for k, v in (read_json(_path(run_dir, "launch_env.json")) or {}).items()})
     env.update(
         TETHER_RUN_ID=spec["run_id"],
         TETHER_RUN_DIR=run_dir,
@@ -262,13 +277,22 @@ def run(run_dir: str) -> int:
     return 0
 
 
-def start(run_dir: str, timeout_s: float = 30.0) -> Dict[str, Any]:
-    """Start `run` detached and wait until it has taken the lock and recorded its pid."""
+def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:
+    """Start `run` detached and wait until it has taken the lock and recorded its pid.
+
+    `settings`: {"env": {...}, "gpus": "auto"|"0,1"|"none", "min_free_gpu_mb": N}.
+    """
     state = read_json(_path(run_dir, "state.json")) or {}
     if is_final(state):
         return {"outcome": "finished", "state": state}
     if is_alive(run_dir):
         return {"outcome": "running", "state": state}
+    settings = settings or {}
+    try:
+        env = dict(settings.get("env") or {}, **machine.gpu_env(settings))
+    except ValueError as err:
+        return {"outcome": "error", "state": state, "error": str(err)}
+    _write_private(_path(run_dir, "launch_env.json"), env)
     with open(_path(run_dir, "launcher.log"), "ab") as log:
         daemon = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "run", run_dir],
@@ -366,50 +390,7 @@ def _is_our_launcher(pid: int, run_dir: str) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- objects and sealing
-
-
-def object_path(objects_dir: str, sha256: str) -> str:
-    """Where the object store keeps the file whose SHA-256 is `sha256`."""
-    return os.path.join(objects_dir, sha256[:2], sha256)
-
-
-def have(objects_dir: str, hashes: List[str]) -> List[str]:
-    """The hashes in `hashes` the object store lacks."""
-    return [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
-
-
-def materialize(run_dir: str) -> Dict[str, Any]:
-    """Build code/ (copies: a frozen snapshot) and data/ (hard links) from tree.json, once."""
-    tree = read_json(_path(run_dir, "tree.json"))
-    objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
-    built = []
-    for root in ("code", "data"):
-        final = _path(run_dir, root)
-        if os.path.isdir(final):
-            continue
-        tmp = final + ".tmp-%d" % os.getpid()
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for entry in tree["files"]:
-            if entry["root"] == root:
-                _place(object_path(objects_dir, entry["sha256"]), os.path.join(tmp, entry["path"]),
-                       entry.get("mode", 0o644), link=(root == "data"))
-        os.replace(tmp, final)
-        built.append(root)
-    return {"built": built}
-
-
-def _place(source: str, target: str, mode: int, link: bool) -> None:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if link:
-        try:
-            os.link(source, target)
-            return
-        except OSError:
-            pass  # another filesystem, or links not allowed: copy instead
-    shutil.copyfile(source, target)
-    os.chmod(target, mode)
+# ---------------------------------------------------------------- sealing
 
 
 def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, List[str]]:
@@ -451,23 +432,6 @@ def seal(run_dir: str) -> Dict[str, Any]:
     return manifest
 
 
-def check(remote_dir: str, min_free_mb: int) -> Dict[str, Any]:
-    """What a preflight needs to know about this machine, from this machine."""
-    os.makedirs(remote_dir, mode=0o700, exist_ok=True)
-    probe_file = os.path.join(remote_dir, ".write-test-%d" % os.getpid())
-    try:
-        with open(probe_file, "wb") as f:
-            f.write(b"ok")
-        os.unlink(probe_file)
-        writable = True
-    except OSError:
-        writable = False
-    fs = os.statvfs(remote_dir)
-    return {"python": "%d.%d.%d" % sys.version_info[:3], "python_ok": sys.version_info >= (3, 8),
-            "writable": writable, "free_mb": fs.f_bavail * fs.f_frsize // (1 << 20),
-            "free_inodes": fs.f_favail, "min_free_mb": min_free_mb, "host": os.uname()[1]}
-
-
 # ---------------------------------------------------------------- command line
 
 
@@ -477,19 +441,21 @@ def main(argv: List[str]) -> int:
     if command == "run":
         return run(args[0])
     if command == "have":
-        result: Any = have(args[0], sys.stdin.read().split())
+        result: Any = objects.have(args[0], sys.stdin.read().split())
     elif command == "probe":
         result = {d: probe(d) for d in args}
     elif command == "start":
-        result = start(args[0])
+        result = start(args[0], json.loads(sys.stdin.read() or "{}"))
     elif command == "stop":
         result = stop(args[0], float(args[1]))
     elif command == "materialize":
-        result = materialize(args[0])
+        result = objects.materialize(args[0])
+    elif command == "prune":
+        result = objects.prune(args[0])
     elif command == "seal":
         result = seal(args[0])
     elif command == "check":
-        result = check(args[0], int(args[1]))
+        result = machine.check(json.loads(sys.stdin.read() or "{}"))
     else:
         print("unknown launcher command %r" % command, file=sys.stderr)
         return 2

@@ -22,6 +22,10 @@ class Config:
     checkpoint: Optional[str] = None
     env: dict = field(default_factory=dict)
 
+    def requires(self) -> tuple[str, ...]:
+        """Python modules the far side must have (the command's own needs are its business)."""
+        return ()
+
     def launch_spec(self) -> dict:
         """What the launcher needs to start this trainer (stored in run.json)."""
         argv = shlex.split(self.command) if isinstance(self.command, str) else list(self.command)

@@ -48,6 +48,10 @@ class Config:
     threads: int = 0  # 0: torch's default; bitwise resume needs the same count on every attempt
     env: dict = field(default_factory=dict)
 
+    def requires(self) -> tuple[str, ...]:
+        """Python modules the far side must have to run this trainer."""
+        return ("torch", "sklearn") if not self.data.path else ("torch",)
+
     def launch_spec(self) -> dict:
         return {"argv": ["{python}", "-m", "tether.trainers.torch_classifier"], "resume_args": [],
                 "checkpoint_path": None, "env": {str(k): str(v) for k, v in self.env.items()}}

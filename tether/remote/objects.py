@@ -1,0 +1,79 @@
+"""The far side's object store: content-addressed files, run snapshots built from them, pruning.
+
+Stdlib only, Python >= 3.8 (copied to the far side with the launcher).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any, Dict, List
+
+from tether.remote.fileio import read_json
+
+PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
+
+
+def object_path(objects_dir: str, sha256: str) -> str:
+    """Where the object store keeps the file whose SHA-256 is `sha256`."""
+    return os.path.join(objects_dir, sha256[:2], sha256)
+
+
+def have(objects_dir: str, hashes: List[str]) -> List[str]:
+    """The hashes in `hashes` the object store lacks."""
+    return [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
+
+
+def materialize(run_dir: str) -> Dict[str, Any]:
+    """Build code/ (copies: a frozen snapshot) and data/ (hard links) from tree.json, once."""
+    tree = read_json(os.path.join(run_dir, "tree.json"))
+    objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
+    built = []
+    for root in ("code", "data"):
+        final = os.path.join(run_dir, root)
+        if os.path.isdir(final):
+            continue
+        tmp = final + ".tmp-%d" % os.getpid()
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for entry in tree["files"]:
+            if entry["root"] == root:
+                _place(object_path(objects_dir, entry["sha256"]), os.path.join(tmp, entry["path"]),
+                       entry.get("mode", 0o644), link=(root == "data"))
+        os.replace(tmp, final)
+        built.append(root)
+    return {"built": built}
+
+
+def _place(source: str, target: str, mode: int, link: bool) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if link:
+        try:
+            os.link(source, target)
+            return
+        except OSError:
+            pass  # another filesystem, or links not allowed: copy instead
+    shutil.copyfile(source, target)
+    os.chmod(target, mode)
+
+
+def prune(remote_dir: str) -> Dict[str, Any]:
+    """Remove objects that no run's tree.json references (and that are not brand new)."""
+    wanted = set()
+    runs = os.path.join(remote_dir, "runs")
+    for run_id in os.listdir(runs) if os.path.isdir(runs) else ():
+        tree = read_json(os.path.join(runs, run_id, "tree.json")) or {"files": []}
+        wanted.update(entry["sha256"] for entry in tree["files"])
+    removed, freed, kept = 0, 0, 0
+    objects_dir = os.path.join(remote_dir, "objects")
+    for folder, _, names in os.walk(objects_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            stat = os.stat(path)
+            if name in wanted or time.time() - stat.st_mtime < PRUNE_MIN_AGE_S:
+                kept += 1
+                continue
+            os.unlink(path)
+            removed, freed = removed + 1, freed + stat.st_size
+    return {"removed": removed, "bytes": freed, "kept": kept}

@@ -416,12 +416,12 @@ def test_materialize_builds_code_and_data_from_the_object_store(tmp_path):
 
 
 def test_have_lists_the_hashes_the_store_lacks(tmp_path):
-    objects = tmp_path / "objects"
+    store = tmp_path / "objects"
     present = sha256_bytes(b"here")
-    Path(objects.object_path(str(objects), present)).parent.mkdir(parents=True)
-    Path(objects.object_path(str(objects), present)).write_bytes(b"here")
+    Path(objects.object_path(str(store), present)).parent.mkdir(parents=True)
+    Path(objects.object_path(str(store), present)).write_bytes(b"here")
     lacking = [sha256_bytes(b"one"), sha256_bytes(b"two")]
-    assert objects.have(str(objects), [lacking[0], present, lacking[1]]) == lacking
+    assert objects.have(str(store), [lacking[0], present, lacking[1]]) == lacking
     out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "have", str(objects)],
                          input="\n".join([present, *lacking]) + "\n", cwd=REPO,
                          capture_output=True, text=True, timeout=60)

@@ -422,7 +422,7 @@ def test_have_lists_the_hashes_the_store_lacks(tmp_path):
     Path(objects.object_path(str(store), present)).write_bytes(b"here")
     lacking = [sha256_bytes(b"one"), sha256_bytes(b"two")]
     assert objects.have(str(store), [lacking[0], present, lacking[1]]) == lacking
-    out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "have", str(objects)],
+    out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "have", str(store)],
                          input="\n".join([present, *lacking]) + "\n", cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

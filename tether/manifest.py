@@ -71,10 +71,15 @@ def _torch():
     return torch
 
 
-def verify(run: RunPaths) -> dict:
-    """Check every pulled file against the manifest; write PULL_VERIFIED.json, or raise naming them."""
+def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
+    """Check every pulled file against the manifest; write PULL_VERIFIED.json, or raise naming them.
+
+    `left`: files the pull left on the far side on purpose (size limits); they are recorded as
+    remote-only instead of being required here.
+    """
     manifest, manifest_sha = load(run)
-    listed = {entry["path"]: entry for entry in manifest["files"]}
+    left = left or {}
+    listed = {entry["path"]: entry for entry in manifest["files"] if entry["path"] not in left}
     problems = []
     present = local_files(run)
     for extra in sorted(present - set(listed)):
@@ -103,7 +108,7 @@ def verify(run: RunPaths) -> dict:
                             + f". `doit pull run={run.run_id}` fetches them again")
     verified = {"run_id": run.run_id, "manifest_sha256": manifest_sha, "files": record,
                 "bytes": sum(e["bytes"] for e in listed.values()), "verified_at": round(time.time(), 3),
-                "missing_declared": manifest.get("missing", []),
+                "missing_declared": manifest.get("missing", []), "remote_only": left,
                 "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0)}
     atomic_write_json(run.verified, verified)
     return verified

@@ -2,4 +2,5 @@
 
 BACKEND_TYPES = {
     "local": "tether.backends.local",
+    "ssh": "tether.backends.ssh",
 }

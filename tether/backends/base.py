@@ -88,8 +88,8 @@ class Backend:
         """Run `argv` on the far side; stdout, or RemoteCommandError on a non-zero exit."""
         raise NotImplementedError
 
-    def _check_host(self, report: Report) -> None:
-        """Type-specific preflight items (GPUs, scheduler commands, ...)."""
+    def reconnect(self) -> None:
+        """Drop the connection so that the next call opens a fresh one (a no-op where there is none)."""
 
     # ------------------------------------------------------------ built on the launcher
 

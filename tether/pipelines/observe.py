@@ -14,13 +14,13 @@ from tether.pipelines.session import Session
 class EventReader:
     """Reads events.jsonl from where it left off; only whole lines count."""
 
-    def __init__(self, fs: Any, run: RunPaths, name: str = "events.jsonl") -> None:
-        self.fs, self.path, self.offset = fs, run.remote_file(name), 0
+    def __init__(self, backend: Any, run: RunPaths, name: str = "events.jsonl") -> None:
+        self.backend, self.path, self.offset = backend, run.remote_file(name), 0
         self.last: dict[str, dict] = {}  # the newest event of each kind
 
     def read_bytes(self) -> bytes:
         try:
-            with self.fs.open(self.path, "rb") as f:
+            with self.backend.filesystem().open(self.path, "rb") as f:  # a reconnect gives a new one
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
@@ -55,7 +55,7 @@ def tail_text(fs: Any, run: RunPaths, name: str = "train.log", lines: int = 20) 
 
 def summary(s: Session, run: RunPaths, snap: dict) -> dict:
     """What `status` reports: state, step, last loss, heartbeat age, where, how long."""
-    reader = EventReader(s.backend.filesystem(), run)
+    reader = EventReader(s.backend, run)
     reader.read()
     state = snap.get("state", {})
     step = reader.last.get("step", {})
@@ -83,7 +83,7 @@ def status(s: Session) -> None:
 def tail(s: Session, poll_s: float = 0.5) -> None:
     """Print train.log from the start, following it until the run is terminal."""
     run = s.observed()
-    reader = EventReader(s.backend.filesystem(), run, "train.log")
+    reader = EventReader(s.backend, run, "train.log")
     while True:
         snap = s.snapshot(run, fresh=True)
         sys.stdout.write(reader.read_bytes().decode(errors="replace"))
@@ -111,3 +111,10 @@ def check(s: Session) -> Optional[str]:
     if not report.ready:
         raise BackendError(f"backend {s.job.backend} is not ready: fix the checks marked NO")
     return None
+
+
+def prune(s: Session) -> str:
+    """Remove far-side objects that no run (on that backend) references any more."""
+    found = s.backend.prune()
+    return (f"backend {s.job.backend}: removed {found['removed']} unreferenced objects "
+            f"({found['bytes']} bytes); kept {found['kept']}")

@@ -22,6 +22,9 @@ from tether.pipelines.session import Session
 from tether.remote.fileio import atomic_write_json, read_json
 
 
+RECONNECT_MAX_S = 30.0  # backoff ceiling while the far side is unreachable
+
+
 def write_stamp(run: RunPaths, phase: str, **fields) -> None:
     atomic_write_json(run.stamp(phase), dict(fields, phase=phase, at=round(time.time(), 3)))
 
@@ -138,7 +141,7 @@ def launch(s: Session) -> str:
     if result["outcome"] == "error":
         log = tail_text(s.backend.filesystem(), run, "launcher.log")
         raise BackendError(f"{run.run_id}: the launcher did not start: {result.get('error', '')}\n{log}")
-    s.snapshot(run, fresh=True)
+    s.forget_snapshot(run)
     write_stamp(run, "launch", outcome=result["outcome"], attempt=result["state"].get("attempt"))
     verb = {"started": "launched", "running": "already running", "finished": "already finished"}
     return f"{run.run_id}: {verb[result['outcome']]} (attempt {result['state'].get('attempt')})"
@@ -149,12 +152,23 @@ def watch(s: Session, poll_min: float = 0.2, poll_max: float = 2.0) -> str:
     from tqdm import tqdm
 
     run = s.run()
-    reader = EventReader(s.backend.filesystem(), run)
-    interval = poll_min
+    reader = EventReader(s.backend, run)
+    interval, lost_since = poll_min, None
     with tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as progress:
         while True:
-            snap = s.snapshot(run, fresh=True)
-            events = reader.read()
+            try:
+                snap = s.snapshot(run, fresh=True)
+                events = reader.read()
+            except BackendError as err:  # the far side is unreachable, not the run dead: wait and retry
+                lost_since = lost_since or time.monotonic()
+                interval = min(RECONNECT_MAX_S, max(1.0, interval * 2))
+                progress.write(f"{run.run_id}: {err}; retrying in {interval:.0f}s (the run goes on; Ctrl-C to leave it)")
+                s.backend.reconnect()
+                time.sleep(interval)
+                continue
+            if lost_since is not None:
+                progress.write(f"{run.run_id}: reconnected after {time.monotonic() - lost_since:.0f}s")
+                lost_since = None
             _show(progress, reader, events)
             if snap.get("final") and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
@@ -225,10 +239,11 @@ def pull(s: Session) -> str:
         return f"{run.run_id}: already pulled and verified"
     fs = s.backend.filesystem()
     try:
-        ensure_sealed(s, run, s.snapshot(run, fresh=True))
         data = fs.cat_file(run.remote_file("PULL_MANIFEST.json"))
     except FileNotFoundError:
         snap = s.snapshot(run, fresh=True)
+        if ensure_sealed(s, run, snap):  # its launcher died between "final" and the seal
+            return pull(s)
         raise RunError(f"run {run.run_id} is {snap['status']} and has no manifest yet (it is sealed "
                        f"when the run ends): `doit run watch` waits for that")
     listed = json.loads(data)
@@ -238,13 +253,18 @@ def pull(s: Session) -> str:
     with open(run.manifest + ".tmp", "wb") as f:
         f.write(data)
     os.replace(run.manifest + ".tmp", run.manifest)
-    todo = [e for e in listed["files"] if not transfer.matches(run.pulled(e["path"]), e["bytes"], e["sha256"])]
+    left = {e["path"]: s.backend.fetch_policy(e["path"], e["bytes"]) for e in listed["files"]}
+    left = {path: why for path, why in left.items() if why}
+    for path, why in sorted(left.items()):
+        print(f"left on the far side: {path} ({why})")
+    todo = [e for e in listed["files"] if e["path"] not in left
+            and not transfer.matches(run.pulled(e["path"]), e["bytes"], e["sha256"])]
     total = sum(e["bytes"] for e in todo)
     with transfer.bar(total, "pull") as progress:
         for e in todo:
             transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]),
                                    e["bytes"], e["sha256"], progress)
-    write_stamp(run, "pull", manifest_sha256=manifest.digest(data), fetched=len(todo), bytes=total)
+    write_stamp(run, "pull", manifest_sha256=manifest.digest(data), fetched=len(todo), bytes=total, left=left)
     _warn_roster(s, listed)
     return f"{run.run_id}: pulled {len(todo)} of {len(listed['files'])} files ({total} bytes)"
 
@@ -257,10 +277,15 @@ def _warn_roster(s: Session, listed: dict) -> None:
               f"lists {listed.get('artifacts')}")
 
 
+def left_remote(run: RunPaths) -> dict[str, str]:
+    """Manifest files the pull left on the far side on purpose, with the reason."""
+    return (read_json(run.stamp("pull")) or {}).get("left", {})
+
+
 def verify(s: Session) -> str:
     """Size and SHA-256 of every pulled file against the manifest, the roster exact both ways."""
     run = s.observed()
-    verified = manifest.verify(run)
+    verified = manifest.verify(run, left_remote(run))
     loaded, found = verified["torch_loaded"], verified["torch_files"]
     torch = (f"; {loaded} torch checkpoint(s) loaded with weights_only=True" if loaded == found else
              f"; torch is not installed here, so {found} torch checkpoint(s) were checked by hash only "
@@ -285,7 +310,11 @@ def down(s: Session, confirm: bool) -> str:
     if verified is None:
         raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
                        f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
-    verified = manifest.verify(run)  # hash everything again: a timestamp proves nothing here
+    verified = manifest.verify(run, left_remote(run))  # hash everything again: a timestamp proves nothing
+    if verified["remote_only"] and not getattr(s.backend.config, "keep_remote", False):
+        raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "
+                       f"on the far side ({', '.join(sorted(verified['remote_only']))}): fetch them first "
+                       f"(fetch_artifacts / max_artifact_mb, then `doit pull`), or set keep_remote: true")
     if manifest.digest(far) != verified["manifest_sha256"]:
         raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest does not "
                             f"match the one verified here: `doit pull run={run.run_id}` again")

@@ -177,5 +177,8 @@ class Session:
             self._snapshots[run.run_id] = self.backend.state(run)
         return self._snapshots[run.run_id]
 
+    def forget_snapshot(self, run: RunPaths) -> None:
+        self._snapshots.pop(run.run_id, None)
+
     def record(self, run: RunPaths) -> dict[str, Any]:
         return read_json(run.run_json) or {}

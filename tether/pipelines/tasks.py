@@ -131,6 +131,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         "task_tail": simple("print the run's log, following it until the run ends", observe.tail,
                             io={"capture": False}),
         "task_stop": simple("SIGTERM the run, SIGKILL after grace_seconds, and say what happened", observe.stop),
+        "task_prune": simple("remove far-side objects that no run references (after `down`s)", observe.prune),
         "task_report": simple("curves (PNG) and a Markdown summary from the verified files", report.report),
         "task_check": simple("preflight the backend: could a run start there? (json=1)", observe.check),
         "task_validate": lambda: dict(doc="report every config problem at once (strict=1: warnings fail too)",

@@ -1,0 +1,218 @@
+"""The ssh backend: a machine reached with an ssh key; files over SFTP, commands over the same connection.
+
+One asyncssh connection (through sshfs's SSHFileSystem) per invocation serves both. Host keys
+are always verified (sshfs turns that off unless told), nothing can prompt, and every far-side
+command passes through `_execute`, with each argument shell-quoted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tether.backends.base import Backend as BaseBackend
+from tether.errors import BackendError, RemoteCommandError
+
+SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
+COMMAND_TIMEOUT_S = 3600  # a materialize of a large tree or a venv install can take minutes
+
+
+@dataclass(frozen=True)
+class Config:
+    """backends: {NAME: {type: ssh, host: HOST, ...}}: a machine your ssh key reaches."""
+
+    host: str
+    type: str = "ssh"
+    user: Optional[str] = None
+    port: Optional[int] = None
+    identity_file: Optional[str] = None
+    python: str = "python3"
+    remote_dir: str = "~/.cache/tether"
+    gpus: str = "auto"
+    min_free_gpu_mb: int = 2000
+    num_threads: Optional[int] = None
+    packages: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+    connect_timeout_s: float = 10.0
+    keep_remote: bool = False
+    fetch_artifacts: bool = True
+    max_artifact_mb: Optional[float] = None
+    ssh_config: Optional[str] = None
+    known_hosts: Optional[str] = None
+
+    def problems(self) -> list[str]:
+        found = []
+        if not self.host.strip() or self.host.startswith("-") or any(c.isspace() for c in self.host):
+            found.append(f"host {self.host!r} is not a host name: give one that `ssh HOST true` reaches")
+        if not SAFE_DIR.match(self.remote_dir) or ".." in self.remote_dir.split("/"):
+            found.append(f"remote_dir {self.remote_dir!r}: use letters, digits and ._-/ (a leading ~/ "
+                         f"is the far side's home), without '..'")
+        if self.gpus not in ("auto", "none") and not re.match(r"^\d+(,\d+)*$", self.gpus):
+            found.append(f"gpus {self.gpus!r}: use auto, none, or indices such as \"0,1\"")
+        if not re.match(r"^[A-Za-z0-9._/+-]+$", self.python):
+            found.append(f"python {self.python!r}: give an interpreter name or path (no spaces or quotes)")
+        for key in self.env:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                found.append(f"env key {key!r} is not a valid environment variable name")
+        return found
+
+
+class Backend(BaseBackend):
+    """A far side reached over ssh."""
+
+    type = "ssh"
+
+    def __init__(self, name: str, config: Config, state_dir: str) -> None:
+        super().__init__(name, config, state_dir)
+        self._fs: Any = None
+        self._remote_dir: Optional[str] = None
+        self.commands = 0  # far-side commands this invocation (for --trace style reports)
+
+    # ------------------------------------------------------------ the connection
+
+    def _connect_args(self) -> dict:
+        cfg = self.config
+        args: dict = {"known_hosts": os.path.expanduser(cfg.known_hosts) if cfg.known_hosts else (),
+                      "connect_timeout": cfg.connect_timeout_s, "login_timeout": cfg.connect_timeout_s,
+                      "skip_instance_cache": True, "timeout": cfg.connect_timeout_s + 5,
+                      "keepalive_interval": 15, "keepalive_count_max": 4}
+        if cfg.ssh_config:
+            args["config"] = [os.path.expanduser(cfg.ssh_config)]
+        if cfg.user:
+            args["username"] = cfg.user
+        if cfg.port:
+            args["port"] = cfg.port
+        if cfg.identity_file:
+            args["client_keys"] = [os.path.expanduser(cfg.identity_file)]
+        return args
+
+    def connect(self) -> Any:
+        """The SSHFileSystem, connected once per invocation (again after `reconnect`)."""
+        if self._fs is None:
+            from sshfs import SSHFileSystem
+
+            started = time.monotonic()
+            try:
+                self._fs = SSHFileSystem(self.config.host, **self._connect_args())
+            except Exception as err:  # asyncssh and OS errors alike: translated here, once
+                raise explain(err, self.config, time.monotonic() - started) from err
+        return self._fs
+
+    def reconnect(self) -> None:
+        self._fs = None
+
+    @property
+    def remote_dir(self) -> str:
+        """remote_dir made absolute on the far side (and created there, mode 0700), once."""
+        if self._remote_dir is None:
+            wanted = self.config.remote_dir
+            relative = wanted[2:] if wanted.startswith("~/") else wanted
+            script = 'cd && mkdir -p -m 700 -- "$1" && cd -- "$1" && pwd -P'
+            self._remote_dir = self._execute(["sh", "-c", script, "sh", relative]).strip()
+        return self._remote_dir
+
+    @property
+    def python(self) -> str:
+        if self.config.packages:
+            return f"{self.remote_dir}/venv/{self._venv_hash()}/bin/python"
+        return self.config.python
+
+    def filesystem(self) -> Any:
+        from fsspec.implementations.dirfs import DirFileSystem
+
+        return DirFileSystem(path=self.remote_dir, fs=self.connect())
+
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> str:
+        from fsspec.asyn import sync
+
+        fs = self.connect()
+        command = " ".join(shlex.quote(a) for a in argv)
+        if os.environ.get("TETHER_TRACE"):
+            print(f"[ssh {self.config.host}] {command}", file=sys.stderr)
+        self.commands += 1
+        try:
+            done = sync(fs.loop, fs.client.run, command, input=stdin or None, encoding=None,
+                        check=False, timeout=COMMAND_TIMEOUT_S)
+        except Exception as err:
+            self.reconnect()  # the next command opens a fresh connection
+            raise explain(err, self.config, 0.0) from err
+        if done.exit_status != 0:
+            stderr = (done.stderr or b"").decode(errors="replace")
+            raise RemoteCommandError(argv, done.exit_status if done.exit_status is not None else -1, stderr)
+        return (done.stdout or b"").decode(errors="replace")
+
+    # ------------------------------------------------------------ what ssh adds
+
+    def settings(self) -> dict:
+        env = {str(k): str(v) for k, v in self.config.env.items()}
+        if self.config.num_threads:
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+                env[name] = str(self.config.num_threads)
+        return {"remote_dir": self.remote_dir, "gpus": self.config.gpus,
+                "min_free_gpu_mb": self.config.min_free_gpu_mb, "env": env}
+
+    def _venv_hash(self) -> str:
+        spec = "\n".join([self.config.python] + sorted(self.config.packages))
+        return hashlib.sha256(spec.encode()).hexdigest()[:12]
+
+    def prepare(self) -> None:
+        """With `packages:`, a venv under remote_dir (system site packages visible), built once."""
+        if not self.config.packages:
+            return
+        venv = f"{self.remote_dir}/venv/{self._venv_hash()}"
+        fs = self.filesystem()
+        try:
+            fs.info(f"venv/{self._venv_hash()}/READY")
+            return
+        except FileNotFoundError:
+            pass
+        self._execute([self.config.python, "-m", "venv", "--system-site-packages", venv])
+        self._execute([f"{venv}/bin/python", "-m", "pip", "install", "--quiet", *self.config.packages])
+        fs.pipe_file(f"venv/{self._venv_hash()}/READY", b"\n".join(p.encode() for p in self.config.packages))
+
+    def fetch_policy(self, path: str, size: int) -> str:
+        if not path.startswith(("artifacts/", "checkpoints/")):
+            return ""
+        if path.startswith("artifacts/") and not self.config.fetch_artifacts:
+            return "fetch_artifacts is false"
+        limit = self.config.max_artifact_mb
+        if limit is not None and size > limit * (1 << 20):
+            return f"{size / (1 << 20):.1f} MB is above max_artifact_mb ({limit})"
+        return ""
+
+    def teardown(self, run: Any) -> str:
+        if self.config.keep_remote:
+            return f"kept {run.remote_abs} (keep_remote is true): nothing deleted"
+        return super().teardown(run)
+
+
+def explain(err: BaseException, cfg: Config, waited: float) -> BackendError:
+    """One tether error, naming the fix, for whatever the connection raised."""
+    import asyncio
+
+    import asyncssh
+
+    where = f"{cfg.user + '@' if cfg.user else ''}{cfg.host}" + (f":{cfg.port}" if cfg.port else "")
+    if isinstance(err, asyncssh.HostKeyNotVerifiable):
+        return BackendError(f"{where}: host key not verified ({err.reason}). A new server: check its "
+                            f"fingerprint, then `ssh {cfg.host} true` once to record it (or set known_hosts:). "
+                            f"A changed key: find out why before you remove the old entry")
+    if isinstance(err, asyncssh.PermissionDenied):
+        return BackendError(f"{where}: authentication failed: `ssh {cfg.host} true` must work without a "
+                            f"prompt: set identity_file:, or load the key with ssh-add")
+    if isinstance(err, asyncssh.KeyImportError):
+        return BackendError(f"{where}: cannot use the key ({err}): an encrypted key needs ssh-agent (ssh-add it)")
+    if isinstance(err, (asyncio.TimeoutError, TimeoutError)) or "timed out" in str(err).lower():
+        return BackendError(f"{where}: no answer within connect_timeout_s ({cfg.connect_timeout_s:g}s): "
+                            f"is the host up and the port right?")
+    if isinstance(err, (ConnectionError, OSError)):
+        return BackendError(f"{where}: cannot connect: {err.strerror or err}: is sshd running and the port right?")
+    if isinstance(err, (asyncssh.DisconnectError, asyncssh.ChannelOpenError)):
+        return BackendError(f"{where}: the connection was lost ({err}): run the command again")
+    return BackendError(f"{where}: {type(err).__name__}: {err}")

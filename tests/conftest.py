@@ -98,6 +98,23 @@ class Project:
         raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
 
 
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory) -> "SSHServer":
+    """A real OpenSSH server on 127.0.0.1 (own host key and client key), for the whole session."""
+    from sshd import SSHServer
+
+    server = SSHServer(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+def ssh_config_text(server, remote_dir: Path, name: str = "demo", epochs: int = 30, **extra) -> str:
+    """A tether.yaml whose backend `lab` is the given sshd (the demo trainer)."""
+    backend = json.dumps(server.backend_config(remote_dir, **extra))
+    return CONFIG.format(name=name, epochs=epochs, grace=5).replace(
+        "backend: local", "backend: lab").replace("  local: {type: local}", f"  lab: {backend}")
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Project:
     root = tmp_path / "proj"

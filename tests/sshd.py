@@ -28,7 +28,7 @@ def keygen(path: Path, comment: str) -> None:
 class SSHServer:
     """sshd -D on a free loopback port; `stop()` and `start()` again keep port and keys."""
 
-    def __init__(self, base: Path, path_prepend: str = "") -> None:
+    def __init__(self, base: Path, path_prepend: str = "", env: dict | None = None) -> None:
         self.base = base
         base.mkdir(parents=True, exist_ok=True)
         os.chmod(base, 0o755)
@@ -48,8 +48,11 @@ class SSHServer:
                  "PermitRootLogin prohibit-password", "UsePAM no", "StrictModes no", "X11Forwarding no",
                  "PrintMotd no", "AllowTcpForwarding yes", "Subsystem sftp internal-sftp",
                  "MaxSessions 20", "LogLevel VERBOSE"]
+        settings = dict(env or {})
         if path_prepend:
-            lines.append(f"SetEnv PATH={path_prepend}:/usr/local/bin:/usr/bin:/bin")
+            settings["PATH"] = f"{path_prepend}:/usr/local/bin:/usr/bin:/bin"
+        if settings:
+            lines.append("SetEnv " + " ".join(f"{k}={v}" for k, v in settings.items()))
         self.config.write_text("\n".join(lines) + "\n")
         self.log = base / "sshd.log"
         self.process: subprocess.Popen | None = None

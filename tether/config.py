@@ -226,6 +226,8 @@ def _typed_section(node: Any, registry: dict, what: str, problems: Problems, whe
     section = build(cls, node, problems, "%s (type %s)" % (what, kind))
     for message in section.problems() if section is not None else ():
         problems.error(problems.at(node), message)
+    for message in getattr(section, "warnings", lambda: [])() if section is not None else ():
+        problems.warn(problems.at(node), f"{what}: {message}")
     return section
 
 

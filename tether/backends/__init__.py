@@ -3,4 +3,5 @@
 BACKEND_TYPES = {
     "local": "tether.backends.local",
     "ssh": "tether.backends.ssh",
+    "slurm": "tether.backends.slurm",
 }

@@ -23,7 +23,8 @@ from tether.paths import RunPaths
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
     "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
-    "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
+    "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py",
+    "tether/remote/scheduler.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
 )
 
@@ -65,6 +66,8 @@ class Backend:
 
     type = ""
     min_free_mb = 500  # below this a run's checkpoints may not fit
+    poll_interval_s = 2.0  # watch's slowest poll while nothing happens
+    exit_grace_s = 0.0  # how long a vanished run may take to show its final state (shared storage)
 
     def __init__(self, name: str, config: Any, state_dir: str) -> None:
         self.name, self.config, self.state_dir = name, config, state_dir
@@ -150,11 +153,15 @@ class Backend:
         report.add("disk", found["free_mb"] >= self.min_free_mb,
                    f"{found['free_mb']} MB free under {self.remote_dir} (want {self.min_free_mb})")
         report.add("inodes", found["free_inodes"] >= 1000, f"{found['free_inodes']} free inodes")
+        self._report(report, found, settings, require)
+        return report
+
+    def _report(self, report: Report, found: dict, settings: dict, require: tuple[str, ...]) -> None:
+        """The type-specific lines of a preflight (here: the trainer's modules, the GPUs)."""
         missing = found["missing_modules"]
         report.add("modules", not missing, f"missing: {', '.join(missing)} (the trainer imports them)"
                    if missing else f"{', '.join(require) or 'none needed'}")
         _gpu_items(report, found, settings)
-        return report
 
     def launch(self, run: RunPaths) -> dict:
         """Start the run detached; never a second copy of a live or finished run."""

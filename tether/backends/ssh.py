@@ -24,8 +24,8 @@ COMMAND_TIMEOUT_S = 3600  # a materialize of a large tree or a venv install can 
 
 
 @dataclass(frozen=True)
-class Config:
-    """backends: {NAME: {type: ssh, host: HOST, ...}}: a machine your ssh key reaches."""
+class Connection:
+    """The keys every backend reached over ssh takes (the ssh and slurm types)."""
 
     host: str
     type: str = "ssh"
@@ -34,10 +34,7 @@ class Config:
     identity_file: Optional[str] = None
     python: str = "python3"
     remote_dir: str = "~/.cache/tether"
-    gpus: str = "auto"
-    min_free_gpu_mb: int = 2000
     num_threads: Optional[int] = None
-    packages: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
     connect_timeout_s: float = 10.0
     keep_remote: bool = False
@@ -53,13 +50,29 @@ class Config:
         if not SAFE_DIR.match(self.remote_dir) or ".." in self.remote_dir.split("/"):
             found.append(f"remote_dir {self.remote_dir!r}: use letters, digits and ._-/ (a leading ~/ "
                          f"is the far side's home), without '..'")
-        if self.gpus not in ("auto", "none") and not re.match(r"^\d+(,\d+)*$", self.gpus):
-            found.append(f"gpus {self.gpus!r}: use auto, none, or indices such as \"0,1\"")
         if not re.match(r"^[A-Za-z0-9._/+-]+$", self.python):
             found.append(f"python {self.python!r}: give an interpreter name or path (no spaces or quotes)")
         for key in self.env:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
                 found.append(f"env key {key!r} is not a valid environment variable name")
+        return found
+
+    def warnings(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class Config(Connection):
+    """backends: {NAME: {type: ssh, host: HOST, ...}}: a machine your ssh key reaches."""
+
+    gpus: str = "auto"
+    min_free_gpu_mb: int = 2000
+    packages: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if self.gpus not in ("auto", "none") and not re.match(r"^\d+(,\d+)*$", self.gpus):
+            found.append(f"gpus {self.gpus!r}: use auto, none, or indices such as \"0,1\"")
         return found
 
 
@@ -119,7 +132,7 @@ class Backend(BaseBackend):
 
     @property
     def python(self) -> str:
-        if self.config.packages:
+        if getattr(self.config, "packages", ()):
             return f"{self.remote_dir}/venv/{self._venv_hash()}/bin/python"
         return self.config.python
 
@@ -163,7 +176,7 @@ class Backend(BaseBackend):
 
     def prepare(self) -> None:
         """With `packages:`, a venv under remote_dir (system site packages visible), built once."""
-        if not self.config.packages:
+        if not getattr(self.config, "packages", ()):
             return
         venv = f"{self.remote_dir}/venv/{self._venv_hash()}"
         fs = self.filesystem()

@@ -144,16 +144,18 @@ def launch(s: Session) -> str:
     s.forget_snapshot(run)
     write_stamp(run, "launch", outcome=result["outcome"], attempt=result["state"].get("attempt"))
     verb = {"started": "launched", "running": "already running", "finished": "already finished"}
-    return f"{run.run_id}: {verb[result['outcome']]} (attempt {result['state'].get('attempt')})"
+    which = f"SLURM job {result['job_id']}" if result.get("job_id") else f"attempt {result['state'].get('attempt')}"
+    return f"{run.run_id}: {verb[result['outcome']]} ({which})"
 
 
-def watch(s: Session, poll_min: float = 0.2, poll_max: float = 2.0) -> str:
+def watch(s: Session, poll_min: float = 0.2) -> str:
     """Follow the run's events with a progress bar until it ends; Ctrl-C leaves it running."""
     from tqdm import tqdm
 
     run = s.run()
     reader = EventReader(s.backend, run)
-    interval, lost_since = poll_min, None
+    poll_max = s.backend.poll_interval_s
+    interval, lost_since, seen = poll_min, None, {}
     with tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as progress:
         while True:
             try:
@@ -170,9 +172,10 @@ def watch(s: Session, poll_min: float = 0.2, poll_max: float = 2.0) -> str:
                 progress.write(f"{run.run_id}: reconnected after {time.monotonic() - lost_since:.0f}s")
                 lost_since = None
             _show(progress, reader, events)
+            _show_queue(progress, run, snap, seen)
             if snap.get("final") and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
-            if snap["status"] in ("preempted", "failed", "lost"):
+            if snap["status"] in ("preempted", "failed", "lost", "cancelled") and _settled(s, snap, seen):
                 _restart(s, run, snap)
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)
@@ -199,6 +202,24 @@ def _show(progress, reader: EventReader, events: list[dict]) -> None:
     progress.refresh()
 
 
+def _show_queue(progress, run: RunPaths, snap: dict, seen: dict) -> None:
+    """Print each change of the scheduler's view: PENDING (Priority), RUNNING on node07, ..."""
+    queue = snap.get("queue")
+    if not queue:
+        return
+    reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
+    text = f"RUNNING on {queue['nodes']}" if queue["state"] == "RUNNING" else f"{queue['state']}{reason}"
+    if seen.get("queue") != text:
+        seen["queue"] = text
+        progress.write(f"{run.run_id}: job {snap.get('job_id')} {text}")
+
+
+def _settled(s: Session, snap: dict, seen: dict) -> bool:
+    """A run that just vanished gets exit_grace_s for its final state to reach shared storage."""
+    first = seen.setdefault(("ended", snap["status"]), time.monotonic())
+    return time.monotonic() - first >= s.backend.exit_grace_s
+
+
 def _restart(s: Session, run: RunPaths, snap: dict) -> None:
     """Relaunch from the latest checkpoint when the restart policy allows it, else say what to do."""
     status, restarts = snap["status"], int(snap["state"].get("restarts") or 0)
@@ -210,9 +231,15 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
         print(f"\n{run.run_id}: {status}; relaunched from its latest checkpoint "
               f"(restart {restarts + 1} of at most {most}, {result['outcome']})", file=sys.stderr)
         return
+    scheduler = snap.get("scheduler") or {}
+    if status == "cancelled":
+        raise RunError(f"run {run.run_id}: SLURM job {snap.get('job_id')} {scheduler.get('words')}; "
+                       f"`doit run train` submits it again, resuming from its latest checkpoint")
     if status == "lost":
-        raise RunError(f"run {run.run_id} was lost: its launcher and trainer are gone without an "
-                       f"exit record (machine rebooted?). `doit run train` relaunches it from its latest checkpoint")
+        why = (f"SLURM job {snap.get('job_id')} {scheduler['words']} (exit code {scheduler.get('exit_code')})"
+               if scheduler else "its launcher and trainer are gone without an exit record (machine rebooted?)")
+        raise RunError(f"run {run.run_id} was lost: {why}, before it could checkpoint and exit. "
+                       f"`doit run train` relaunches it from its latest checkpoint")
     why = f"restart policy {policy!r}" + (f", {restarts} of {most} restarts used" if allowed else "")
     raise RunError(f"run {run.run_id} is {status} ({why}); it saved its progress: "
                    f"`doit run train` resumes it from the latest checkpoint")
@@ -221,7 +248,8 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
 def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
     status, state = snap["status"], snap["state"]
     age = snap.get("heartbeat_age_s")
-    if status == "running" and age is not None and age > s.job.heartbeat_timeout_s:
+    beating = status == "running" and state.get("status") == "running"  # not a requeued job starting up
+    if beating and age is not None and age > s.job.heartbeat_timeout_s:
         raise RunError(f"run {run.run_id}: no heartbeat for {age:.0f}s (heartbeat_timeout_s is "
                        f"{s.job.heartbeat_timeout_s:.0f}): the far side may be hung; `doit status` to look, "
                        f"`doit stop` to end it")

@@ -12,6 +12,8 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
+    submit RUN_DIR          SLURM: write job.sh and sbatch it, once per run (settings on stdin)
+    cancel RUN_DIR GRACE_S  SLURM: scancel --full --signal=TERM, then scancel; re-probe
 
 `start` reads its settings as JSON on stdin (extra environment, GPU choice): secrets never
 appear on a command line, and land in RUN_DIR/launch_env.json with mode 0600.
@@ -40,13 +42,14 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
-from tether.remote import machine, objects
+from tether.remote import machine, objects, scheduler
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
 from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint
 
 FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3
+REQUEUE_EXIT = 99  # `run` under SLURM: "requeue this job, the restart policy wants another attempt"
 VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -126,7 +129,8 @@ def _trainer_command(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) 
     argv = [sys.executable if a == "{python}" else a for a in spec["argv"]]
     if resume:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
-    return argv
+    srun = os.environ.get("TETHER_SRUN")  # job.sh of a multi-node SLURM job: one trainer per node
+    return srun.split() + argv if srun else argv
 
 
 def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:
@@ -274,7 +278,16 @@ def run(run_dir: str) -> int:
     _event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
     if final:
         seal(run_dir)
-    return 0
+    return REQUEUE_EXIT if os.environ.get("SLURM_JOB_ID") and _restart_allowed(status, spec, attempt) else 0
+
+
+def _restart_allowed(status: str, spec: Dict[str, Any], attempt: int) -> bool:
+    """Whether the restart policy wants this attempt's end relaunched (a SLURM job requeues itself)."""
+    restart = spec.get("restart") or {}
+    policy, most = restart.get("policy", "on-preempt"), int(restart.get("max_restarts", 0))
+    wanted = (status == "preempted" and policy in ("on-preempt", "on-failure")) or \
+             (status == "failed" and policy == "on-failure")
+    return wanted and attempt - 1 < most
 
 
 def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:
@@ -334,6 +347,42 @@ def probe(run_dir: str) -> Dict[str, Any]:
     return snapshot
 
 
+def probe_all(run_dirs: List[str]) -> Dict[str, Dict[str, Any]]:
+    """Snapshots of many runs; runs submitted to SLURM are read with ONE squeue call for all."""
+    snapshots = {d: probe(d) for d in run_dirs}
+    jobs = {d: scheduler.job_of(d) for d in run_dirs if snapshots[d]["status"] != "absent"}
+    jobs = {d: j for d, j in jobs.items() if j}
+    if jobs:
+        queued = scheduler.queue(sorted(set(jobs.values())))
+        for run_dir, job_id in jobs.items():
+            _with_queue(run_dir, snapshots[run_dir], job_id, queued)
+    return snapshots
+
+
+def _with_queue(run_dir: str, snap: Dict[str, Any], job_id: str, queued: Optional[Dict[str, Any]]) -> None:
+    """Let the scheduler's view decide queued/running/gone (squeue failing changes nothing)."""
+    snap["job_id"] = job_id
+    if queued is None:
+        snap["queue_error"] = "squeue failed: the run's state is read from its files only"
+        return
+    entry = queued.get(job_id)
+    if entry:
+        snap["queue"] = entry
+        snap["alive"] = True
+        if entry["state"] in scheduler.QUEUED and not snap["final"]:
+            snap["status"] = "pending"
+        elif entry["state"] in scheduler.ACTIVE and snap["status"] in ("pending", "lost", "preempted"):
+            snap["status"] = "running"
+        return
+    if not snap["final"] and not snap["alive"]:
+        stopped = os.path.exists(_path(run_dir, "stop_requested"))
+        snap["scheduler"] = scheduler.describe(run_dir, job_id, stopped)
+        if snap["scheduler"]["job_state"] == "CANCELLED" and not stopped:
+            snap["status"] = "cancelled"
+        elif snap["status"] == "pending":
+            snap["status"] = "lost"
+
+
 def _group_members(pgid: int) -> List[int]:
     """Pids whose process group is `pgid` (Linux /proc), zombies excluded."""
     members = []
@@ -380,6 +429,16 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
         _update_state(run_dir, status="stopped", final=True, ended_at=_now())  # the launcher died first
         seal(run_dir)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
+
+
+def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
+    """Stop a SLURM run (scancel, TERM then KILL); mark it stopped and sealed if its launcher could not."""
+    outcome = scheduler.cancel(run_dir, grace_s)
+    state = read_json(_path(run_dir, "state.json")) or {}
+    if outcome["outcome"] == "stopped" and not is_final(state) and not is_alive(run_dir):
+        _update_state(run_dir, status="stopped", final=True, ended_at=_now())
+        seal(run_dir)
+    return outcome
 
 
 def _is_our_launcher(pid: int, run_dir: str) -> bool:
@@ -443,7 +502,7 @@ def main(argv: List[str]) -> int:
     if command == "have":
         result: Any = objects.have(args[0], sys.stdin.read().split())
     elif command == "probe":
-        result = {d: probe(d) for d in args}
+        result = probe_all(args)
     elif command == "start":
         result = start(args[0], json.loads(sys.stdin.read() or "{}"))
     elif command == "stop":
@@ -454,6 +513,10 @@ def main(argv: List[str]) -> int:
         result = objects.prune(args[0])
     elif command == "seal":
         result = seal(args[0])
+    elif command == "submit":
+        result = scheduler.submit(args[0], json.loads(sys.stdin.read()))
+    elif command == "cancel":
+        result = cancel(args[0], float(args[1]))
     elif command == "check":
         result = machine.check(json.loads(sys.stdin.read() or "{}"))
     else:

@@ -103,6 +103,10 @@ def check(settings: Dict[str, Any]) -> Dict[str, Any]:
               "free_mb": fs.f_bavail * fs.f_frsize // (1 << 20), "free_inodes": fs.f_favail,
               "host": os.uname()[1],
               "missing_modules": [m for m in settings.get("require", []) if importlib.util.find_spec(m) is None]}
+    if settings.get("scheduler") == "slurm":
+        from tether.remote import scheduler
+
+        report["slurm"] = scheduler.check(settings)
     if str(settings.get("gpus", "none")) != "none":
         try:
             report["gpus"] = gpus()

@@ -1,0 +1,136 @@
+"""SLURM on the login node: submit once per run, one squeue for many runs, reasons in words, stop.
+
+Stdlib only, Python >= 3.8 (copied to the far side with the launcher). No sacct: many
+clusters have no accounting, so a finished job is read from `scontrol show job -o` (kept for
+MinJobAge seconds) and from the job's own exit-code file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from typing import Any, Dict, List, Optional
+
+from tether.remote.fileio import atomic_write, atomic_write_json, read_json
+
+QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING")
+ACTIVE = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
+REASONS = {  # scontrol's JobState, in words
+    "TIMEOUT": "reached its time limit", "NODE_FAIL": "its node failed", "PREEMPTED": "was preempted by the scheduler",
+    "OUT_OF_MEMORY": "ran out of memory", "CANCELLED": "was cancelled from outside tether",
+    "BOOT_FAIL": "its node failed to boot", "DEADLINE": "passed its deadline", "FAILED": "failed",
+    "COMPLETED": "completed",
+}
+
+
+def _run(argv: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def job_of(run_dir: str) -> Optional[str]:
+    return (read_json(os.path.join(run_dir, "slurm.json")) or {}).get("job_id")
+
+
+def queue(job_ids: List[str]) -> Optional[Dict[str, Dict[str, str]]]:
+    """{job id: {state, reason, nodes}} for the queued or running ones, in ONE squeue call; None on failure."""
+    if not job_ids:
+        return {}
+    try:
+        done = _run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"], timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        return None  # a failing squeue must never make a healthy job look gone
+    found = {}
+    for line in done.stdout.splitlines():
+        job, state, reason, nodes = (line.split("|") + ["", "", ""])[:4]
+        found[job.strip()] = {"state": state, "reason": reason, "nodes": nodes}
+    return found
+
+
+def job_details(job_id: str) -> Dict[str, str]:
+    """`scontrol show job -o` as a dict (empty once the scheduler has forgotten the job)."""
+    try:
+        done = _run(["scontrol", "show", "job", "-o", job_id], timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    details = {}
+    for word in done.stdout.split():
+        key, _, value = word.partition("=")
+        details[key] = value
+    return details if done.returncode == 0 else {}
+
+
+def describe(run_dir: str, job_id: str, stopped_by_tether: bool) -> Dict[str, Any]:
+    """Why a job left the queue: JobState, Reason and ExitCode from scontrol, the exit-code file, in words."""
+    details = job_details(job_id)
+    state = details.get("JobState", "")
+    words = REASONS.get(state, state.lower() or "left the queue (the scheduler no longer knows it)")
+    if state == "CANCELLED" and stopped_by_tether:
+        words = "was stopped by tether"
+    exit_file = os.path.join(run_dir, "exit_code.%s" % job_id)
+    exit_code = open(exit_file).read().strip() if os.path.exists(exit_file) else details.get("ExitCode")
+    return {"job_state": state, "reason": details.get("Reason"), "words": words, "exit_code": exit_code,
+            "node": details.get("BatchHost") or details.get("NodeList")}
+
+
+def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Submit job.sh once for this run (under a lock): an existing job of the run is adopted, never doubled."""
+    with open(os.path.join(run_dir, "submit.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        known = read_json(os.path.join(run_dir, "slurm.json")) or {}
+        if known.get("job_id") and (queue([known["job_id"]]) or {}).get(known["job_id"]):
+            return {"outcome": "running", "job_id": known["job_id"], "flags": known.get("flags")}
+        env = settings.get("env") or {}
+        fd = os.open(os.path.join(run_dir, "launch_env.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(env, f)
+        script = os.path.join(run_dir, "job.sh")
+        atomic_write(script, lambda f: f.write(settings["script"].encode()))
+        flags = settings["flags"]
+        done = _run(["sbatch"] + flags + [script])
+        if done.returncode != 0:
+            return {"outcome": "error", "error": "sbatch exited %d: %s" % (done.returncode, done.stderr.strip()[-500:])}
+        job_id = done.stdout.strip().split(";")[0]
+        record = {"job_id": job_id, "flags": flags, "submitted_at": round(time.time(), 3),
+                  "jobs": known.get("jobs", []) + [job_id]}
+        atomic_write_json(os.path.join(run_dir, "slurm.json"), record)
+        state = read_json(os.path.join(run_dir, "state.json")) or {}
+        if state.get("status") in (None, "pending"):
+            atomic_write_json(os.path.join(run_dir, "state.json"), dict(state, status="pending", job_id=job_id))
+        return {"outcome": "started", "job_id": job_id, "flags": flags, "state": state}
+
+
+def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
+    """scancel --full --signal=TERM, then plain scancel after grace_s; report what really happened."""
+    job_id = job_of(run_dir)
+    if not job_id or not (queue([job_id]) or {}).get(job_id):
+        return {"outcome": "was not running", "job_id": job_id}
+    atomic_write_json(os.path.join(run_dir, "stop_requested"), {"at": time.time()})
+    _run(["scancel", "--full", "--signal=TERM", job_id])
+    deadline = time.time() + grace_s
+    while time.time() < deadline and (queue([job_id]) or {}).get(job_id):
+        time.sleep(0.5)
+    forced = bool((queue([job_id]) or {}).get(job_id))
+    if forced:
+        _run(["scancel", job_id])
+        deadline = time.time() + 60
+        while time.time() < deadline and (queue([job_id]) or {}).get(job_id):
+            time.sleep(0.5)
+    if (queue([job_id]) or {}).get(job_id):
+        return {"outcome": "error", "job_id": job_id, "error": "job %s is still in the queue after scancel" % job_id}
+    return {"outcome": "stopped", "job_id": job_id, "forced": forced}
+
+
+def check(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The login node's side of a SLURM preflight: the commands, the partitions."""
+    commands = {c: bool(shutil.which(c)) for c in ("sbatch", "squeue", "scancel", "scontrol", "sinfo")}
+    partitions: List[str] = []
+    if commands["sinfo"]:
+        done = _run(["sinfo", "-h", "-o", "%P"], timeout=30)
+        partitions = [p.rstrip("*") for p in done.stdout.split()] if done.returncode == 0 else []
+    return {"commands": commands, "partitions": partitions, "partition": settings.get("partition")}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 import uuid
@@ -37,6 +38,32 @@ def stop_leftover_runs(remote_dir: Path) -> None:
         for run_dir in runs.iterdir():
             if launcher.is_alive(str(run_dir)):
                 launcher.stop(str(run_dir), 1.0)
+
+
+def halt(server: SSHServer) -> None:
+    """`server.stop()`, and end the connections it is serving.
+
+    SSHServer.stop() signals sshd's process group only; with OpenSSH 9.2 every connection's own
+    sshd (`sshd: root@notty`) calls setsid(), so the established connections would live on.
+    They are the listener's children: found before the stop, killed after it.
+    """
+    listener = server.process.pid if server.process else None
+    sessions = []
+    for entry in os.listdir("/proc") if listener else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == listener:
+                sessions.append(int(entry))
+    server.stop()
+    for pid in sessions:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def accepted_logins(server: SSHServer) -> int:
@@ -108,7 +135,7 @@ class TestSSHBackend(BackendContract):
             backend = ssh_backend(server, tmp_path / "far", tmp_path / ".tether", connect_timeout_s=3)
             backend.install_launcher()
             assert backend.check().ready
-            server.stop()
+            halt(server)
             with pytest.raises(BackendError) as lost:  # tether's own error, never asyncssh's
                 backend.launcher("probe", f"{backend.remote_dir}/runs/none")
             assert "\n" not in str(lost.value)

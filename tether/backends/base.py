@@ -87,8 +87,8 @@ class Backend:
         """An fsspec filesystem whose root is remote_dir."""
         raise NotImplementedError
 
-    def _execute(self, argv: list[str], stdin: bytes = b"") -> str:
-        """Run `argv` on the far side; stdout, or RemoteCommandError on a non-zero exit."""
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
+        """Run `argv` on the far side; its stdout, or RemoteCommandError on a non-zero exit."""
         raise NotImplementedError
 
     def reconnect(self) -> None:
@@ -100,10 +100,13 @@ class Backend:
     def version_dir(self) -> str:
         return posixpath.join(self.remote_dir, "tether", self.version)
 
+    def launcher_bytes(self, command: str, *args: str, stdin: bytes = b"") -> bytes:
+        """Run one launcher command on the far side; its raw stdout."""
+        return self._execute([self.python, f"{self.version_dir}/tether/remote/launcher.py", command, *args], stdin)
+
     def launcher(self, command: str, *args: str, stdin: bytes = b"") -> Any:
         """Run one launcher command on the far side and decode its JSON answer."""
-        argv = [self.python, f"{self.version_dir}/tether/remote/launcher.py", command, *args]
-        out = self._execute(argv, stdin)
+        out = self.launcher_bytes(command, *args, stdin=stdin).decode(errors="replace")
         try:
             return json.loads(out.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):

@@ -48,11 +48,11 @@ class Backend(BaseBackend):
         os.makedirs(self.remote_dir, mode=0o700, exist_ok=True)
         return DirFileSystem(path=self.remote_dir, fs=LocalFileSystem())
 
-    def _execute(self, argv: list[str], stdin: bytes = b"") -> str:
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
         try:
             done = subprocess.run(argv, input=stdin, capture_output=True, timeout=600)
         except FileNotFoundError as err:
             raise BackendError(f"{argv[0]}: {err.strerror}: set python: in the backend's config")
         if done.returncode != 0:
             raise RemoteCommandError(argv, done.returncode, done.stderr.decode(errors="replace"))
-        return done.stdout.decode(errors="replace")
+        return done.stdout

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from tether.backends.base import Backend as BaseBackend
 from tether.errors import BackendError, RemoteCommandError
+from tether.remote.fileio import atomic_write_json, read_json
 
 SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
 COMMAND_TIMEOUT_S = 3600  # a materialize of a large tree or a venv install can take minutes
@@ -122,12 +123,21 @@ class Backend(BaseBackend):
 
     @property
     def remote_dir(self) -> str:
-        """remote_dir made absolute on the far side (and created there, mode 0700), once."""
+        """remote_dir made absolute on the far side (and created there, mode 0700), once per machine."""
         if self._remote_dir is None:
             wanted = self.config.remote_dir
-            relative = wanted[2:] if wanted.startswith("~/") else wanted
-            script = 'cd && mkdir -p -m 700 -- "$1" && cd -- "$1" && pwd -P'
-            self._remote_dir = self._execute(["sh", "-c", script, "sh", relative]).strip()
+            cache = os.path.join(self.state_dir, "remote-dirs.json")
+            key = f"{self.config.user}@{self.config.host}:{self.config.port}:{wanted}"
+            known = read_json(cache) or {}
+            if wanted.startswith("/"):
+                self._remote_dir = wanted  # created by the preflight (mode 0700)
+            elif key in known:
+                self._remote_dir = known[key]
+            else:
+                relative = wanted[2:] if wanted.startswith("~/") else wanted
+                script = 'cd && mkdir -p -m 700 -- "$1" && cd -- "$1" && pwd -P'
+                self._remote_dir = self._execute(["sh", "-c", script, "sh", relative]).decode().strip()
+                atomic_write_json(cache, dict(known, **{key: self._remote_dir}))
         return self._remote_dir
 
     @property
@@ -139,9 +149,16 @@ class Backend(BaseBackend):
     def filesystem(self) -> Any:
         from fsspec.implementations.dirfs import DirFileSystem
 
-        return DirFileSystem(path=self.remote_dir, fs=self.connect())
+        fs = self.connect()
+        if not getattr(fs, "_tether_dir_ready", False):
+            try:
+                fs.info(self.remote_dir)
+            except FileNotFoundError:
+                fs.mkdir(self.remote_dir, create_parents=True, permissions=0o700)
+            fs._tether_dir_ready = True
+        return DirFileSystem(path=self.remote_dir, fs=fs)
 
-    def _execute(self, argv: list[str], stdin: bytes = b"") -> str:
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
         from fsspec.asyn import sync
 
         fs = self.connect()
@@ -158,7 +175,7 @@ class Backend(BaseBackend):
         if done.exit_status != 0:
             stderr = (done.stderr or b"").decode(errors="replace")
             raise RemoteCommandError(argv, done.exit_status if done.exit_status is not None else -1, stderr)
-        return (done.stdout or b"").decode(errors="replace")
+        return done.stdout or b""
 
     # ------------------------------------------------------------ what ssh adds
 

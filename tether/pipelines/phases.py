@@ -38,9 +38,13 @@ def up_slice(s: Session) -> str:
 # ------------------------------------------------------------------ is it done already?
 
 
+def up_stamp(s: Session) -> str:
+    """up's stamp belongs to the backend's config, not to a run: a new run of a ready backend skips it."""
+    return os.path.join(s.state_dir, "backends", f"{s.job.backend}-{up_slice(s)[:16]}.json")
+
+
 def up_done(s: Session) -> bool:
-    run = s.current()
-    return run is not None and (read_json(run.stamp("up")) or {}).get("slice") == up_slice(s)
+    return os.path.exists(up_stamp(s))
 
 
 def push_done(s: Session) -> bool:
@@ -83,7 +87,8 @@ def up(s: Session) -> str:
     report = s.backend.check(s.job.trainer.requires())
     if not report.ready:
         raise BackendError(report.text() + "\nfix the checks marked NO, then run `doit run train` again")
-    write_stamp(run, "up", slice=up_slice(s), launcher=s.backend.version, report=report.as_dict())
+    atomic_write_json(up_stamp(s), {"slice": up_slice(s), "launcher": s.backend.version,
+                                    "report": report.as_dict(), "at": round(time.time(), 3)})
     return f"{run.run_id}: backend {s.job.backend} ready" + (" (launcher copied)" if copied else "")
 
 
@@ -107,11 +112,20 @@ def push(s: Session) -> str:
 def _upload_objects(s: Session, fs) -> tuple[list[str], int]:
     """Send the files whose content the far side's object store lacks (one round trip to ask)."""
     unique = {e.sha256: e for e in s.entries}
-    missing = s.backend.launcher("have", f"{s.backend.remote_dir}/objects", stdin="\n".join(unique).encode())
+    objects = f"{s.backend.remote_dir}/objects"
+    missing = s.backend.launcher("have", objects, stdin="\n".join(unique).encode())
     total = sum(unique[h].size for h in missing)
+    small = [h for h in missing if unique[h].size <= transfer.SMALL]
     with transfer.bar(total, "push") as progress:
+        for group in transfer.batches(small, lambda h: unique[h].size):
+            stored = s.backend.launcher("receive", objects, stdin=transfer.pack([(h, unique[h].local) for h in group]))
+            if stored["bad"]:
+                raise BackendError(f"the far side refused {stored['bad'][:3]}: the files changed while being "
+                                   f"pushed? run the push again")
+            progress.update(sum(unique[h].size for h in group))
         for sha in missing:
-            transfer.put_atomic(fs, unique[sha].local, f"objects/{sha[:2]}/{sha}", progress)
+            if unique[sha].size > transfer.SMALL:
+                transfer.put_atomic(fs, unique[sha].local, f"objects/{sha[:2]}/{sha}", progress)
     return missing, total
 
 
@@ -289,9 +303,14 @@ def pull(s: Session) -> str:
             and not transfer.matches(run.pulled(e["path"]), e["bytes"], e["sha256"])]
     total = sum(e["bytes"] for e in todo)
     with transfer.bar(total, "pull") as progress:
+        small = [e for e in todo if e["bytes"] <= transfer.SMALL]
+        for group in transfer.batches(small, lambda e: e["bytes"]):
+            data = s.backend.launcher_bytes("send", run.remote_abs, stdin=json.dumps([e["path"] for e in group]).encode())
+            transfer.unpack(data, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group}, progress)
         for e in todo:
-            transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]),
-                                   e["bytes"], e["sha256"], progress)
+            if e["bytes"] > transfer.SMALL:
+                transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]),
+                                       e["bytes"], e["sha256"], progress)
     write_stamp(run, "pull", manifest_sha256=manifest.digest(data), fetched=len(todo), bytes=total, left=left)
     _warn_roster(s, listed)
     return f"{run.run_id}: pulled {len(todo)} of {len(listed['files'])} files ({total} bytes)"

@@ -2,13 +2,60 @@
 
 from __future__ import annotations
 
+import io
 import os
 import sys
+import tarfile
 import uuid
-from typing import Any
+from typing import Any, Callable, Iterable, TypeVar
 
 from tether.errors import ManifestError
 from tether.remote.fileio import CHUNK, sha256_file
+
+SMALL = 4 << 20  # files up to this size travel in tar batches: one round trip per batch, not three per file
+BATCH = 64 << 20  # bytes per batch: memory stays bounded whatever the total
+T = TypeVar("T")
+
+
+def batches(items: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
+    """Consecutive groups of at most BATCH bytes each (a larger item alone)."""
+    groups: list[list[T]] = [[]]
+    total = 0
+    for item in items:
+        if groups[-1] and total + size(item) > BATCH:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += size(item)
+    return [g for g in groups if g]
+
+
+def pack(files: list[tuple[str, str]]) -> bytes:
+    """A tar (in memory, one batch) of local files: [(name in the archive, local path)]."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, local in files:
+            tar.add(local, arcname=name, recursive=False)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any) -> None:
+    """Write each member of a tar to its local place (path, bytes, sha256), checked, via `.part`."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for member in tar.getmembers():
+            if member.name not in expected or not member.isfile():
+                raise ManifestError(f"the far side sent {member.name!r}, which was not asked for")
+            local, size, sha256 = expected.pop(member.name)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with tar.extractfile(member) as source, open(local + ".part", "wb") as out:
+                out.write(source.read())
+            progress.update(member.size)
+            if not matches(local + ".part", size, sha256):
+                os.unlink(local + ".part")
+                raise ManifestError(f"{member.name}: the bytes received do not match the manifest: pull again")
+            os.replace(local + ".part", local)
+    if expected:
+        raise ManifestError(f"the far side did not send {sorted(expected)[:5]}: pull again")
 
 
 def bar(total: int, what: str) -> Any:

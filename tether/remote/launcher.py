@@ -8,6 +8,8 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     probe RUN_DIR...        one JSON snapshot per run: state, liveness, heartbeat age
     stop RUN_DIR GRACE_S    SIGTERM the trainer's process group, SIGKILL after GRACE_S, re-probe
     have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
+    receive OBJECTS_DIR     store the small files of a tar on stdin (named by SHA-256, checked)
+    send RUN_DIR            write the run files named on stdin (JSON) to stdout as a tar
     materialize RUN_DIR     build code/ and data/ from tree.json and the object store
     prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
@@ -499,6 +501,9 @@ def main(argv: List[str]) -> int:
     args = [os.path.normpath(a) if a.startswith("/") else a for a in argv[1:]]
     if command == "run":
         return run(args[0])
+    if command == "send":
+        objects.send(args[0], json.loads(sys.stdin.read()), sys.stdout.buffer)
+        return 0
     if command == "have":
         result: Any = objects.have(args[0], sys.stdin.read().split())
     elif command == "probe":
@@ -507,6 +512,8 @@ def main(argv: List[str]) -> int:
         result = start(args[0], json.loads(sys.stdin.read() or "{}"))
     elif command == "stop":
         result = stop(args[0], float(args[1]))
+    elif command == "receive":
+        result = objects.receive(args[0], sys.stdin.buffer)
     elif command == "materialize":
         result = objects.materialize(args[0])
     elif command == "prune":

@@ -5,12 +5,14 @@ Stdlib only, Python >= 3.8 (copied to the far side with the launcher).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import tarfile
 import time
-from typing import Any, Dict, List
+from typing import IO, Any, Dict, List
 
-from tether.remote.fileio import read_json
+from tether.remote.fileio import CHUNK, read_json
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
 
@@ -77,3 +79,40 @@ def prune(remote_dir: str) -> Dict[str, Any]:
             os.unlink(path)
             removed, freed = removed + 1, freed + stat.st_size
     return {"removed": removed, "bytes": freed, "kept": kept}
+
+
+def receive(objects_dir: str, stream: IO[bytes]) -> Dict[str, Any]:
+    """Store the files of a tar stream (each named by its SHA-256) as objects, checking every hash."""
+    stored, bad = 0, []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            name = os.path.basename(member.name)
+            if not member.isfile() or len(name) != 64 or name.strip("0123456789abcdef"):
+                bad.append(member.name)
+                continue
+            target = object_path(objects_dir, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = "%s.tmp-%d" % (target, os.getpid())
+            digest = hashlib.sha256()
+            with tar.extractfile(member) as source, open(tmp, "wb") as out:
+                for chunk in iter(lambda: source.read(CHUNK), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != name:
+                os.unlink(tmp)
+                bad.append(name)
+                continue
+            os.replace(tmp, target)  # under its final name only once whole and checked
+            stored += 1
+    return {"stored": stored, "bad": bad}
+
+
+def send(run_dir: str, paths: List[str], stream: IO[bytes]) -> None:
+    """Write the run's files named in `paths` (relative, inside the run dir) to `stream` as a tar."""
+    root = os.path.realpath(run_dir)
+    with tarfile.open(fileobj=stream, mode="w|") as tar:
+        for rel in paths:
+            full = os.path.realpath(os.path.join(root, rel))
+            if not full.startswith(root + os.sep):
+                raise ValueError("refusing %r: it leaves the run dir" % rel)
+            tar.add(full, arcname=rel, recursive=False)

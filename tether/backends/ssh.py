@@ -130,9 +130,9 @@ class Backend(BaseBackend):
             key = f"{self.config.user}@{self.config.host}:{self.config.port}:{wanted}"
             known = read_json(cache) or {}
             if wanted.startswith("/"):
-                self._remote_dir = wanted  # created by the preflight (mode 0700)
+                self._remote_dir = self._make_private(wanted)  # SFTP only: no command needed
             elif key in known:
-                self._remote_dir = known[key]
+                self._remote_dir = self._make_private(known[key])
             else:
                 relative = wanted[2:] if wanted.startswith("~/") else wanted
                 script = 'cd && mkdir -p -m 700 -- "$1" && cd -- "$1" && pwd -P'
@@ -146,17 +146,19 @@ class Backend(BaseBackend):
             return f"{self.remote_dir}/venv/{self._venv_hash()}/bin/python"
         return self.config.python
 
+    def _make_private(self, path: str) -> str:
+        """Create `path` on the far side with mode 0700 unless it exists; return it."""
+        fs = self.connect()
+        try:
+            fs.info(path)
+        except FileNotFoundError:
+            fs.mkdir(path, create_parents=True, permissions=0o700)
+        return path
+
     def filesystem(self) -> Any:
         from fsspec.implementations.dirfs import DirFileSystem
 
-        fs = self.connect()
-        if not getattr(fs, "_tether_dir_ready", False):
-            try:
-                fs.info(self.remote_dir)
-            except FileNotFoundError:
-                fs.mkdir(self.remote_dir, create_parents=True, permissions=0o700)
-            fs._tether_dir_ready = True
-        return DirFileSystem(path=self.remote_dir, fs=fs)
+        return DirFileSystem(path=self.remote_dir, fs=self.connect())
 
     def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
         from fsspec.asyn import sync

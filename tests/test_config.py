@@ -289,11 +289,11 @@ def test_several_backends_need_a_choice(project):
 
 
 def test_unknown_backend_type_lists_available(project):
-    text = edit("  local: {type: local}", "  local: {type: slurmx}")
+    text = edit("  local: {type: local}", "  local: {type: kubernetes}")
     problems = load_problems(project, text)
     assert len(problems) == 1, problems
-    assert f"tether.yaml:{line_of(text, 'slurmx')}: error: " in problems[0], problems
-    assert f"type 'slurmx'; available: {BACKENDS}" in problems[0], problems
+    assert f"tether.yaml:{line_of(text, 'kubernetes')}: error: " in problems[0], problems
+    assert f"type 'kubernetes'; available: {BACKENDS}" in problems[0], problems
 
 
 def test_unknown_trainer_type_lists_available(project):

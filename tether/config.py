@@ -69,7 +69,7 @@ class Validation:
 class Job:
     """Everything one YAML file says: the job, and the backends it may run on."""
 
-    name: str = field(metadata=_check(NAME_RE.match, "must be letters, digits, '._-', start alphanumeric, at most 38 characters"))
+    name: str = field(metadata=_check(NAME_RE.fullmatch, "must be letters, digits, '._-', start alphanumeric, at most 38 characters"))
     trainer: Any = None  # a trainer type's own dataclass, chosen by its `type:`
     backends: dict = field(default_factory=dict)  # NAME -> a backend type's own dataclass
     backend: str = ""

@@ -16,7 +16,7 @@ PHASES = ("up", "push", "launch", "watch", "pull", "verify", "down")
 
 def check_run_id(run_id: str) -> str:
     """`run_id` if it is safe in a path and a shell, else a RunError naming the rule."""
-    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or ".." in run_id:
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
         raise RunError("invalid run id %r: use letters, digits and '._-', start with a letter or "
                        "digit, at most 64 characters (`ls .tether/runs` lists the runs known here)" % (run_id,))
     return run_id

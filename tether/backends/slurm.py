@@ -27,7 +27,7 @@ LONG_JOB_S = 6 * 3600
 
 def time_seconds(value: str) -> Optional[int]:
     """SLURM's [D-]HH:MM:SS (or plain minutes) in seconds; None if it is not that."""
-    match = TIME_RE.match(value)
+    match = TIME_RE.fullmatch(value)
     if not match:
         return None
     days, hours, minutes, seconds, plain = match.groups()
@@ -74,9 +74,9 @@ class Config(ssh.Connection):
                              f"are tether's own); remove it")
         if self.poll_interval_s < 1:
             found.append(f"poll_interval_s {self.poll_interval_s} is too small (at least 10 is kind to the scheduler)")
-        if not re.match(r"^[A-Za-z0-9._-]+$", self.job_name):
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.job_name):
             found.append(f"job_name {self.job_name!r}: use letters, digits and ._-")
-        if self.job_python and not re.match(r"^[A-Za-z0-9._/+-]+$", self.job_python):
+        if self.job_python and not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.job_python):
             found.append(f"job_python {self.job_python!r}: give an interpreter name or path")
         return found
 

@@ -48,13 +48,13 @@ class Connection:
         found = []
         if not self.host.strip() or self.host.startswith("-") or any(c.isspace() for c in self.host):
             found.append(f"host {self.host!r} is not a host name: give one that `ssh HOST true` reaches")
-        if not SAFE_DIR.match(self.remote_dir) or ".." in self.remote_dir.split("/"):
+        if not SAFE_DIR.fullmatch(self.remote_dir) or ".." in self.remote_dir.split("/"):
             found.append(f"remote_dir {self.remote_dir!r}: use letters, digits and ._-/ (a leading ~/ "
                          f"is the far side's home), without '..'")
-        if not re.match(r"^[A-Za-z0-9._/+-]+$", self.python):
+        if not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.python):
             found.append(f"python {self.python!r}: give an interpreter name or path (no spaces or quotes)")
         for key in self.env:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 found.append(f"env key {key!r} is not a valid environment variable name")
         return found
 
@@ -72,7 +72,7 @@ class Config(Connection):
 
     def problems(self) -> list[str]:
         found = super().problems()
-        if self.gpus not in ("auto", "none") and not re.match(r"^\d+(,\d+)*$", self.gpus):
+        if self.gpus not in ("auto", "none") and not re.fullmatch(r"\d+(,\d+)*", self.gpus):
             found.append(f"gpus {self.gpus!r}: use auto, none, or indices such as \"0,1\"")
         return found
 
@@ -148,11 +148,10 @@ class Backend(BaseBackend):
 
     def _make_private(self, path: str) -> str:
         """Create `path` on the far side with mode 0700 unless it exists; return it."""
-        fs = self.connect()
         try:
-            fs.info(path)
-        except FileNotFoundError:
-            fs.mkdir(path, create_parents=True, permissions=0o700)
+            self.connect().info(path)
+        except FileNotFoundError:  # first use on this machine: one command (SFTP's mkdir ignores the mode)
+            self._execute(["mkdir", "-p", "-m", "700", "--", path])
         return path
 
     def filesystem(self) -> Any:

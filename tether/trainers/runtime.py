@@ -51,7 +51,7 @@ def checkpoints(directory: Optional[str] = None) -> List[str]:
     """Complete checkpoints in `directory` (default: this run's), oldest first."""
     folder = directory or _env("TETHER_CHECKPOINT_DIR")
     try:
-        names = sorted(n for n in os.listdir(folder) if CHECKPOINT_RE.match(n))
+        names = sorted(n for n in os.listdir(folder) if CHECKPOINT_RE.fullmatch(n))
     except FileNotFoundError:
         return []
     return [os.path.join(folder, n) for n in names]

@@ -142,11 +142,7 @@ class Backend(ssh.Backend):
         return self.config.exit_grace_s
 
     def settings(self) -> dict:
-        env = {str(k): str(v) for k, v in self.config.env.items()}
-        if self.config.num_threads:
-            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-                env[name] = str(self.config.num_threads)
-        return {"remote_dir": self.remote_dir, "gpus": "none", "env": env, "scheduler": "slurm",
+        return {"remote_dir": self.remote_dir, "gpus": "none", "env": self.trainer_env(), "scheduler": "slurm",
                 "partition": self.config.partition}
 
     def _report(self, report: Any, found: dict, settings: dict, require: tuple[str, ...]) -> None:

@@ -180,13 +180,17 @@ class Backend(BaseBackend):
 
     # ------------------------------------------------------------ what ssh adds
 
-    def settings(self) -> dict:
+    def trainer_env(self) -> dict:
+        """The backend's `env:` plus the thread counts from `num_threads:`."""
         env = {str(k): str(v) for k, v in self.config.env.items()}
         if self.config.num_threads:
             for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
                 env[name] = str(self.config.num_threads)
+        return env
+
+    def settings(self) -> dict:
         return {"remote_dir": self.remote_dir, "gpus": self.config.gpus,
-                "min_free_gpu_mb": self.config.min_free_gpu_mb, "env": env}
+                "min_free_gpu_mb": self.config.min_free_gpu_mb, "env": self.trainer_env()}
 
     def _venv_hash(self) -> str:
         spec = "\n".join([self.config.python] + sorted(self.config.packages))

@@ -76,11 +76,31 @@ class SSHServer:
                 time.sleep(0.02)
         raise RuntimeError("sshd did not listen within 10 s")
 
+    def sessions(self) -> list[int]:
+        """The per-connection sshd processes (the listener's children; each calls setsid())."""
+        found = []
+        for entry in os.listdir("/proc") if self.process else ():
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == self.process.pid:
+                    found.append(int(entry))
+        return found
+
     def stop(self) -> None:
-        """Stop the listener and every session it serves (its children share its session)."""
+        """Stop the listener and end every connection it serves, as a crashed server would."""
         if self.process and self.process.poll() is None:
+            sessions = self.sessions()
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(timeout=10)
+            for pid in sessions:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self.process = None
 
     def backend_config(self, remote_dir: Path, **extra) -> dict:

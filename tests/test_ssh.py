@@ -5,8 +5,11 @@ Every test runs `doit` in a throwaway project whose backend `lab` is an sshd on 
 Covered: train then down; an ssh_config alias; ProxyJump through a second sshd; sshd going away
 in the middle of watch; SIGKILL in the middle of a 300 MB push; refused connections (wrong key,
 unknown or changed host key, closed or silent port); hostile run ids, remote_dirs and manifest
-paths; GPU choice from replayed real nvidia-smi output; secrets kept off command lines;
-size limits on pull; a venv for `packages:`; prune.
+paths; GPU choice from replayed real nvidia-smi output (tests/data/nvidia-smi/SOURCES.md);
+secrets kept off command lines; size limits on pull; a venv for `packages:`; prune.
+
+Servers a test starts are stopped with `halt`, which also ends their established connections:
+SSHServer.stop() alone leaves them up (each connection's sshd runs in a session of its own).
 
 Every wait polls a condition against a deadline; nothing sleeps a fixed time.
 """
@@ -178,29 +181,8 @@ def stop_leftover_runs(remote_dir: Path) -> None:
 
 
 def halt(server: SSHServer) -> None:
-    """`server.stop()`, and end the connections it is serving.
-
-    SSHServer.stop() signals sshd's process group only; with OpenSSH 9.2 every connection's own
-    sshd (`sshd: root@notty`) calls setsid(), so established connections would live on. They are
-    the listener's children: found before the stop, killed after it.
-    """
-    listener = server.process.pid if server.process else None
-    sessions = []
-    for entry in os.listdir("/proc") if listener else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == listener:
-                sessions.append(int(entry))
+    """Stop sshd and the connections it serves (SSHServer.stop ends established sessions too)."""
     server.stop()
-    for pid in sessions:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def poll(predicate, timeout: float, what: str, interval: float = 0.002) -> None:
@@ -210,6 +192,18 @@ def poll(predicate, timeout: float, what: str, interval: float = 0.002) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def command_lines() -> dict[int, bytes]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found[int(entry)] = f.read()
+            except OSError:
+                continue
+    return found
 
 
 class Background:
@@ -382,8 +376,12 @@ def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, 
         assert bg.proc.poll() is None, bg.output()
         run_id = only_run_id(project, far)
 
+        # stop sshd while watch's probe of the run is under way: the loss then surfaces in the
+        # probe, which watch retries (see test_event_reading_reports_a_lost_connection_as_a_backend_error
+        # for a loss that surfaces in the events read right after it)
+        poll(lambda: launcher_probes(far_run(far, run_id)), timeout=30, what="watch probing the run", interval=0.001)
         halt(server)  # the listener and the connection watch is using
-        project.wait_for(lambda: "retrying" in bg.text() or bg.proc.poll() is not None, timeout=30,
+        project.wait_for(lambda: "retrying" in bg.output() or bg.proc.poll() is not None, timeout=30,
                          what="watch noticing the lost connection")
         assert bg.proc.poll() is None, "watch gave up when sshd went away:\n" + bg.output()
 
@@ -402,6 +400,39 @@ def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, 
     assert "-- launch" in again.stdout and ".  watch" in again.stdout, again.stdout  # reattached
     assert launches(far, run_id) == 1
     assert_verified(project, far, run_id, artifacts=("model.json",))
+
+
+def launcher_probes(run_dir: Path) -> set[int]:
+    """Pids of far-side `launcher.py probe` commands looking at this run right now (watch polls with them)."""
+    found = set()
+    for pid, cmdline in command_lines().items():
+        argv = cmdline.split(b"\0")
+        if b"probe" in argv and str(run_dir).encode() in argv:
+            found.add(pid)
+    return found
+
+
+def test_event_reading_reports_a_lost_connection_as_a_backend_error(servers, far, tmp_path):
+    """watch retries when a poll raises BackendError ("the far side is unreachable, not the run dead").
+    Each poll is a probe, then a read of events.jsonl with EventReader; a connection lost between
+    the two must surface from the read as a BackendError too, or `doit run train` dies with a
+    traceback instead of waiting for the far side to come back."""
+    from tether.backends.ssh import Backend, Config
+    from tether.errors import BackendError
+    from tether.paths import RunPaths
+    from tether.pipelines.observe import EventReader
+
+    server = servers(tmp_path / "sshd").start()
+    backend = Backend("lab", Config(**server.backend_config(far, connect_timeout_s=3)), str(tmp_path / ".tether"))
+    run = RunPaths("demo-20250101T000000Z-0123abcd", str(tmp_path / ".tether"), backend.remote_dir)
+    fs = backend.filesystem()
+    fs.makedirs(run.remote, exist_ok=True)
+    fs.pipe_file(run.remote_file("events.jsonl"), b'{"event": "step", "step": 1}\n')
+    reader = EventReader(backend, run)
+    assert [e["step"] for e in reader.read()] == [1]
+    halt(server)
+    with pytest.raises(BackendError):
+        reader.read()
 
 
 def test_sigkill_in_the_middle_of_a_large_push(project, sshd, far):
@@ -463,18 +494,23 @@ def test_sigkill_in_the_middle_of_a_large_push(project, sshd, far):
 def test_push_clears_partial_uploads_a_killed_push_left(project, sshd, far):
     """transfer.put_atomic: "the far side cleans objects/*.tmp-* on the next push of the same file".
 
-    A push killed mid-file leaves `objects/<xx>/<sha>.tmp-<random>` behind (as
-    test_sigkill_in_the_middle_of_a_large_push shows); the next push of that file must not leave
-    it there for good (for a large file it is gigabytes of the far side's disk)."""
-    code = (project.root / "demo" / "train.py").read_bytes()
-    sha = sha256_bytes(code)
+    A push killed in the middle of a large file leaves `objects/<xx>/<sha>.tmp-<random>` behind
+    (test_sigkill_in_the_middle_of_a_large_push catches one). The next push of that file must not
+    leave it there for good: for a large file that is gigabytes of the far side's disk. (The
+    leftover here is two hours old, so a cleanup that spares young uploads in flight passes too.)"""
+    data = project.root / "demo" / "medium.bin"
+    data.write_bytes(os.urandom(6 << 20))  # above transfer.SMALL: it travels by put_atomic
+    sha = sha256(data)
     leftover = far / "objects" / sha[:2] / f"{sha}.tmp-0123456789ab"
     leftover.parent.mkdir(parents=True)
-    leftover.write_bytes(code[: len(code) // 2])  # what a SIGKILLed upload leaves
-    project.write_config(ssh_config_text(sshd, far))
+    leftover.write_bytes(data.read_bytes()[: 1 << 20])  # what a SIGKILLed upload leaves
+    hours_ago = time.time() - 2 * 3600
+    os.utime(leftover, (hours_ago, hours_ago))  # long abandoned: no push still writes it
+    project.write_config(ssh_config_text(sshd, far).replace("paths: [demo/points.csv]",
+                                                             "paths: [demo/points.csv, demo/medium.bin]"))
     train = project.doit("run", "train")
     assert train.returncode == 0, out(train)
-    assert (far / "objects" / sha[:2] / sha).read_bytes() == code
+    assert sha256(far / "objects" / sha[:2] / sha) == sha
     assert partial_uploads(far) == [], "the next push of the same file left the killed push's partial upload"
 
 
@@ -567,11 +603,12 @@ def test_hostile_run_id_is_refused_before_anything_runs(project, sshd, far, tmp_
     run_id = template.format(M=marker)
     (project.root / ".tether").mkdir(exist_ok=True)  # as dodo.py does before any task
     before, home = tree(tmp_path), sorted(os.listdir(_home()))
-    status = project.doit("status", f"run={run_id}")
-    assert status.returncode != 0, out(status)
-    assert "invalid run id" in status.stderr, out(status)
-    assert "Traceback" not in status.stderr, out(status)
-    assert not marker.exists()
+    for command in ("status", "stop"):  # a look, and the one that sends signals
+        refused = project.doit(command, f"run={run_id}")
+        assert refused.returncode != 0, out(refused)
+        assert "invalid run id" in refused.stderr, out(refused)
+        assert "Traceback" not in refused.stderr, out(refused)
+        assert not marker.exists()
     assert tree(tmp_path) == before  # nothing written anywhere in the project or the far side
     assert sorted(os.listdir(_home())) == home
 
@@ -761,18 +798,6 @@ while not os.path.exists(os.path.join(run_dir, "go")):
 with open(os.path.join(os.environ["TETHER_ARTIFACTS_DIR"], "token.json"), "w") as f:
     json.dump({"sha256": hashlib.sha256(token.encode()).hexdigest(), "length": len(token)}, f)
 """
-
-
-def command_lines() -> dict[int, bytes]:
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    found[int(entry)] = f.read()
-            except OSError:
-                continue
-    return found
 
 
 def test_secret_is_on_no_command_line_and_reaches_the_trainer(project, sshd, far):

@@ -94,6 +94,10 @@ class Backend:
     def reconnect(self) -> None:
         """Drop the connection so that the next call opens a fresh one (a no-op where there is none)."""
 
+    def is_transport_error(self, err: BaseException) -> bool:
+        """Whether `err` says the far side is unreachable (worth a retry), not that something is wrong."""
+        return isinstance(err, BackendError)
+
     # ------------------------------------------------------------ built on the launcher
 
     @property

@@ -221,6 +221,11 @@ class Backend(BaseBackend):
             return f"{size / (1 << 20):.1f} MB is above max_artifact_mb ({limit})"
         return ""
 
+    def is_transport_error(self, err: BaseException) -> bool:
+        import asyncssh
+
+        return isinstance(err, (BackendError, asyncssh.Error, ConnectionError, TimeoutError, EOFError))
+
     def teardown(self, run: Any) -> str:
         if self.config.keep_remote:
             return f"kept {run.remote_abs} (keep_remote is true): nothing deleted"
@@ -238,7 +243,8 @@ def explain(err: BaseException, cfg: Config, waited: float) -> BackendError:
         return BackendError(f"{where}: host key not verified ({err.reason}). A new server: check its "
                             f"fingerprint, then `ssh {cfg.host} true` once to record it (or set known_hosts:). "
                             f"A changed key: find out why before you remove the old entry")
-    if isinstance(err, asyncssh.PermissionDenied):
+    if isinstance(err, asyncssh.PermissionDenied) or isinstance(err, PermissionError) or \
+            isinstance(err.__cause__, asyncssh.PermissionDenied):  # sshfs turns it into PermissionError
         return BackendError(f"{where}: authentication failed: `ssh {cfg.host} true` must work without a "
                             f"prompt: set identity_file:, or load the key with ssh-add")
     if isinstance(err, asyncssh.KeyImportError):

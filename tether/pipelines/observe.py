@@ -25,6 +25,10 @@ class EventReader:
                 data = f.read()
         except FileNotFoundError:
             return b""
+        except Exception as err:
+            if self.backend.is_transport_error(err):
+                raise BackendError(f"lost the far side while reading {self.path}: {err}") from err
+            raise
         end = data.rfind(b"\n") + 1
         self.offset += end
         return data[:end]

@@ -178,12 +178,13 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             except BackendError as err:  # the far side is unreachable, not the run dead: wait and retry
                 lost_since = lost_since or time.monotonic()
                 interval = min(RECONNECT_MAX_S, max(1.0, interval * 2))
-                progress.write(f"{run.run_id}: {err}; retrying in {interval:.0f}s (the run goes on; Ctrl-C to leave it)")
+                progress.write(f"{run.run_id}: {err}; retrying in {interval:.0f}s (the run goes on; Ctrl-C to leave it)",
+                               file=sys.stderr)
                 s.backend.reconnect()
                 time.sleep(interval)
                 continue
             if lost_since is not None:
-                progress.write(f"{run.run_id}: reconnected after {time.monotonic() - lost_since:.0f}s")
+                progress.write(f"{run.run_id}: reconnected after {time.monotonic() - lost_since:.0f}s", file=sys.stderr)
                 lost_since = None
             _show(progress, reader, events)
             _show_queue(progress, run, snap, seen)
@@ -225,7 +226,7 @@ def _show_queue(progress, run: RunPaths, snap: dict, seen: dict) -> None:
     text = f"RUNNING on {queue['nodes']}" if queue["state"] == "RUNNING" else f"{queue['state']}{reason}"
     if seen.get("queue") != text:
         seen["queue"] = text
-        progress.write(f"{run.run_id}: job {snap.get('job_id')} {text}")
+        progress.write(f"{run.run_id}: job {snap.get('job_id')} {text}", file=sys.stderr)
 
 
 def _settled(s: Session, snap: dict, seen: dict) -> bool:

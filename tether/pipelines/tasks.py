@@ -87,6 +87,11 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                 return TaskFailed(str(err))
             except KeyboardInterrupt:
                 return TaskFailed(resume_hint(opened))
+            except Exception as err:
+                if opened is None or not opened.backend.is_transport_error(err):
+                    raise  # a bug: doit shows the traceback
+                return TaskFailed(f"lost the connection to backend {opened.job.backend} ({type(err).__name__}: "
+                                  f"{err}); nothing is lost: run the same command again")
             return None
         return run
 

@@ -93,7 +93,7 @@ def put_atomic(fs: Any, local: str, remote: str, progress: Any) -> None:
         try:
             fs.rm(tmp)
         except (OSError, FileNotFoundError):
-            pass  # the far side cleans objects/*.tmp-* on the next push of the same file
+            pass  # a killed push's partial file is cleared by the next `have` of the same content
         raise
 
 

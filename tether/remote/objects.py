@@ -5,6 +5,7 @@ Stdlib only, Python >= 3.8 (copied to the far side with the launcher).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -15,6 +16,7 @@ from typing import IO, Any, Dict, List
 from tether.remote.fileio import CHUNK, read_json
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
+STALE_UPLOAD_S = 600  # a partial upload this old belongs to a push that was killed
 
 
 def object_path(objects_dir: str, sha256: str) -> str:
@@ -23,7 +25,14 @@ def object_path(objects_dir: str, sha256: str) -> str:
 
 
 def have(objects_dir: str, hashes: List[str]) -> List[str]:
-    """The hashes in `hashes` the object store lacks."""
+    """The hashes in `hashes` the object store lacks (clearing partial uploads a killed push left)."""
+    for sha in hashes:
+        for partial in glob.glob(object_path(objects_dir, sha) + ".tmp-*"):
+            try:
+                if time.time() - os.stat(partial).st_mtime > STALE_UPLOAD_S:
+                    os.unlink(partial)
+            except FileNotFoundError:
+                pass
     return [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
 
 
@@ -73,7 +82,7 @@ def prune(remote_dir: str) -> Dict[str, Any]:
         for name in names:
             path = os.path.join(folder, name)
             stat = os.stat(path)
-            if name in wanted or time.time() - stat.st_mtime < PRUNE_MIN_AGE_S:
+            if name.split(".tmp-")[0] in wanted and ".tmp-" not in name or time.time() - stat.st_mtime < PRUNE_MIN_AGE_S:
                 kept += 1
                 continue
             os.unlink(path)

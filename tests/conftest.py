@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -99,7 +98,7 @@ class Project:
 
 
 @pytest.fixture(scope="session")
-def sshd(tmp_path_factory) -> "SSHServer":
+def sshd(tmp_path_factory):
     """A real OpenSSH server on 127.0.0.1 (own host key and client key), for the whole session."""
     from sshd import SSHServer
 

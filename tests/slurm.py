@@ -7,7 +7,6 @@ jobs are cancelled first (killing slurmd does not kill running jobs).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess

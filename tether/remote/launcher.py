@@ -34,8 +34,7 @@ if __name__ == "__main__":
     # Import the copy this file belongs to: never a `tether` package in the folder we start from.
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import fcntl  # noqa: E402 (after the path is set)
-import glob  # noqa: E402
+import glob  # noqa: E402 (after the path is set)
 import json  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -44,87 +43,18 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
-from tether.remote import machine, objects, scheduler
-from tether.remote.fileio import atomic_write_json, read_json, sha256_file
-from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint
+from tether.remote import machine, objects, scheduler  # noqa: E402
+from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
+from tether.remote.rundir import (  # noqa: E402
+    decide_final, event, is_alive, is_final, now, restart_allowed, run_file, seal, try_lock, update_state,
+    write_private,
+)
+from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint  # noqa: E402
 
-FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3
 REQUEUE_EXIT = 99  # `run` under SLURM: "requeue this job, the restart policy wants another attempt"
 VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def is_final(state: Dict[str, Any]) -> bool:
-    """Whether the run has ended for good: it is never launched again, and its manifest is sealed."""
-    return bool(state.get("final")) or state.get("status") in FINAL
-
-
-def _decide_final(status: str, spec: Dict[str, Any], attempt: int) -> bool:
-    """`failed` stays open for a relaunch under `restart: on-failure` while restarts remain."""
-    restart = spec.get("restart") or {}
-    if status == "failed":
-        return not (restart.get("policy") == "on-failure" and attempt <= int(restart.get("max_restarts", 0)))
-    return status in FINAL
-
-
-def _path(run_dir: str, name: str) -> str:
-    return os.path.join(run_dir, name)
-
-
-def _now() -> float:
-    return round(time.time(), 3)
-
-
-def _event(run_dir: str, event: str, **fields: Any) -> None:
-    record = dict(fields, event=event, t=_now(), source="launcher")
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(_path(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-def _write_private(path: str, data: Dict[str, Any]) -> None:
-    """Write JSON readable by the owner only (it may hold secrets), atomically."""
-    tmp = path + ".tmp-%d" % os.getpid()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def _update_state(run_dir: str, **changes: Any) -> Dict[str, Any]:
-    state = read_json(_path(run_dir, "state.json")) or {}
-    state.update(changes, updated_at=_now())
-    atomic_write_json(_path(run_dir, "state.json"), state)
-    return state
-
-
-def _try_lock(run_dir: str) -> Optional[int]:
-    """The locked fd of RUN_DIR/launcher.lock, or None when a live launcher or trainer holds it."""
-    fd = os.open(_path(run_dir, "launcher.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def is_alive(run_dir: str) -> bool:
-    """Whether a launcher or trainer of this run still lives (it holds the lock)."""
-    if not os.path.exists(_path(run_dir, "launcher.lock")):
-        return False
-    fd = _try_lock(run_dir)
-    if fd is None:
-        return True
-    os.close(fd)  # closing releases the probe's own lock at once
-    return False
-
-
-# ---------------------------------------------------------------- run
 
 
 def _trainer_command(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
@@ -138,16 +68,16 @@ def _trainer_command(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) 
 def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
-    env.update({str(k): str(v) for k, v in (read_json(_path(run_dir, "launch_env.json")) or {}).items()})
+    env.update({str(k): str(v) for k, v in (read_json(run_file(run_dir, "launch_env.json")) or {}).items()})
     env.update(
         TETHER_RUN_ID=spec["run_id"],
         TETHER_RUN_DIR=run_dir,
-        TETHER_CHECKPOINT_DIR=_path(run_dir, "checkpoints"),
+        TETHER_CHECKPOINT_DIR=run_file(run_dir, "checkpoints"),
         TETHER_CHECKPOINT_KEEP=str(spec.get("checkpoint_keep", 3)),
         TETHER_CHECKPOINT_EVERY=str(spec.get("checkpoint_every", 0)),
-        TETHER_EVENTS=_path(run_dir, "events.jsonl"),
-        TETHER_ARTIFACTS_DIR=_path(run_dir, "artifacts"),
-        TETHER_DATA_DIR=_path(run_dir, "data"),
+        TETHER_EVENTS=run_file(run_dir, "events.jsonl"),
+        TETHER_ARTIFACTS_DIR=run_file(run_dir, "artifacts"),
+        TETHER_DATA_DIR=run_file(run_dir, "data"),
         TETHER_RESUME_FROM=resume or "",
         PYTHONUNBUFFERED="1",
     )
@@ -160,12 +90,12 @@ def _resume_point(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
     mapped = spec.get("checkpoint_path")
     if mapped:
         own = os.path.join(run_dir, "code", mapped)
-        saved = _path(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
+        saved = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
         if not os.path.exists(own) and os.path.exists(saved):
             os.makedirs(os.path.dirname(own), exist_ok=True)
             shutil.copy2(saved, own)
         return own if os.path.exists(own) else None
-    return latest_checkpoint(_path(run_dir, "checkpoints"))
+    return latest_checkpoint(run_file(run_dir, "checkpoints"))
 
 
 def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
@@ -173,7 +103,7 @@ def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     mapped = spec.get("checkpoint_path")
     own = os.path.join(run_dir, "code", mapped) if mapped else ""
     if own and os.path.exists(own):
-        target = _path(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
+        target = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
         tmp = target + ".tmp-%d" % os.getpid()
         shutil.copy2(own, tmp)
         os.replace(tmp, target)
@@ -215,16 +145,16 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def _heartbeat(run_dir: str, done: threading.Event) -> None:
-    path = _path(run_dir, "heartbeat")
+    beat = run_file(run_dir, "heartbeat")
     while not done.is_set():
-        with open(path, "a"):
-            os.utime(path)
+        with open(beat, "a"):
+            os.utime(beat)
         done.wait(HEARTBEAT_S)
 
 
 def _outcome(run_dir: str, returncode: int, signalled: str) -> str:
     """completed, stopped (tether's stop), preempted (a signal from outside, or exit 75), or failed."""
-    if os.path.exists(_path(run_dir, "stop_requested")):
+    if os.path.exists(run_file(run_dir, "stop_requested")):
         return "stopped"
     if returncode == 0:
         return "completed"
@@ -235,37 +165,37 @@ def _outcome(run_dir: str, returncode: int, signalled: str) -> str:
 
 def run(run_dir: str) -> int:
     """Run the trainer once for this run dir; the exit code says whether it was started."""
-    lock = _try_lock(run_dir)
+    lock = try_lock(run_dir)
     if lock is None:
         print("run %s is already running" % run_dir, file=sys.stderr)
         return ALREADY_RUNNING_EXIT
-    state = read_json(_path(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json")) or {}
     if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
-    spec = read_json(_path(run_dir, "run.json"))
+    spec = read_json(run_file(run_dir, "run.json"))
     for name in ("checkpoints", "artifacts"):
-        os.makedirs(_path(run_dir, name), exist_ok=True)
+        os.makedirs(run_file(run_dir, name), exist_ok=True)
     try:
-        os.unlink(_path(run_dir, "stop_requested"))
+        os.unlink(run_file(run_dir, "stop_requested"))
     except FileNotFoundError:
         pass
     attempt = int(state.get("attempt", 0)) + 1
     resume = _resume_point(run_dir, spec)
     argv = _trainer_command(run_dir, spec, resume)
     supervisor = _Supervisor(float(spec.get("grace_seconds", 30)))
-    with open(_path(run_dir, "train.log"), "ab") as log:
+    with open(run_file(run_dir, "train.log"), "ab") as log:
         child = subprocess.Popen(
-            argv, cwd=_path(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
+            argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
         )
-    _update_state(
+    update_state(
         run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
-        restarts=attempt - 1, started_at=_now(), resumed_from=resume, host=os.uname()[1],
+        restarts=attempt - 1, started_at=now(), resumed_from=resume, host=os.uname()[1],
         exit_code=None, ended_at=None, final=False, launcher_version=os.path.basename(VERSION_DIR),
     )
-    _event(run_dir, "launch", attempt=attempt, restarts=attempt - 1, resumed_from=resume, argv=argv)
+    event(run_dir, "launch", attempt=attempt, restarts=attempt - 1, resumed_from=resume, argv=argv)
     supervisor.attach(child.pid)
     done = threading.Event()
     threading.Thread(target=_heartbeat, args=(run_dir, done), daemon=True).start()
@@ -274,22 +204,13 @@ def run(run_dir: str) -> int:
     done.set()
     _keep_mapped_checkpoint(run_dir, spec)
     status = _outcome(run_dir, returncode, supervisor.signalled)
-    final = _decide_final(status, spec, attempt)
-    _update_state(run_dir, status=status, final=final, exit_code=returncode, ended_at=_now(),
+    final = decide_final(status, spec, attempt)
+    update_state(run_dir, status=status, final=final, exit_code=returncode, ended_at=now(),
                   signal=supervisor.signalled or None)
-    _event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
+    event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
     if final:
         seal(run_dir)
-    return REQUEUE_EXIT if os.environ.get("SLURM_JOB_ID") and _restart_allowed(status, spec, attempt) else 0
-
-
-def _restart_allowed(status: str, spec: Dict[str, Any], attempt: int) -> bool:
-    """Whether the restart policy wants this attempt's end relaunched (a SLURM job requeues itself)."""
-    restart = spec.get("restart") or {}
-    policy, most = restart.get("policy", "on-preempt"), int(restart.get("max_restarts", 0))
-    wanted = (status == "preempted" and policy in ("on-preempt", "on-failure")) or \
-             (status == "failed" and policy == "on-failure")
-    return wanted and attempt - 1 < most
+    return REQUEUE_EXIT if os.environ.get("SLURM_JOB_ID") and restart_allowed(status, spec, attempt) else 0
 
 
 def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:
@@ -297,7 +218,7 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
 
     `settings`: {"env": {...}, "gpus": "auto"|"0,1"|"none", "min_free_gpu_mb": N}.
     """
-    state = read_json(_path(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json")) or {}
     if is_final(state):
         return {"outcome": "finished", "state": state}
     if is_alive(run_dir):
@@ -307,8 +228,8 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
         env = dict(settings.get("env") or {}, **machine.gpu_env(settings))
     except ValueError as err:
         return {"outcome": "error", "state": state, "error": str(err)}
-    _write_private(_path(run_dir, "launch_env.json"), env)
-    with open(_path(run_dir, "launcher.log"), "ab") as log:
+    write_private(run_file(run_dir, "launch_env.json"), env)
+    with open(run_file(run_dir, "launcher.log"), "ab") as log:
         daemon = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "run", run_dir],
             cwd=VERSION_DIR, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -316,12 +237,12 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
         )
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        state = read_json(_path(run_dir, "state.json")) or {}
+        state = read_json(run_file(run_dir, "state.json")) or {}
         if state.get("pid") == daemon.pid:
             return {"outcome": "started", "state": state}
         code = daemon.poll()
         if code is not None:
-            state = read_json(_path(run_dir, "state.json")) or {}
+            state = read_json(run_file(run_dir, "state.json")) or {}
             outcome = {ALREADY_RUNNING_EXIT: "running", 0: "finished"}.get(code, "error")
             return {"outcome": outcome, "state": state, "exit_code": code}
         time.sleep(0.02)
@@ -335,15 +256,15 @@ def probe(run_dir: str) -> Dict[str, Any]:
     """A snapshot of one run: status (with `lost` for a dead non-final run), liveness, ages."""
     if not os.path.isdir(run_dir):
         return {"status": "absent"}
-    state = read_json(_path(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json")) or {}
     alive = is_alive(run_dir)
     status = state.get("status", "pending")
     if status in ("running", "pending") and not alive and state:
         status = "lost"
-    snapshot = {"status": status, "final": is_final(state), "alive": alive, "state": state, "now": _now(),
-                "sealed": os.path.exists(_path(run_dir, "PULL_MANIFEST.json"))}
+    snapshot = {"status": status, "final": is_final(state), "alive": alive, "state": state, "now": now(),
+                "sealed": os.path.exists(run_file(run_dir, "PULL_MANIFEST.json"))}
     try:
-        snapshot["heartbeat_age_s"] = round(time.time() - os.stat(_path(run_dir, "heartbeat")).st_mtime, 3)
+        snapshot["heartbeat_age_s"] = round(time.time() - os.stat(run_file(run_dir, "heartbeat")).st_mtime, 3)
     except FileNotFoundError:
         snapshot["heartbeat_age_s"] = None
     return snapshot
@@ -377,7 +298,7 @@ def _with_queue(run_dir: str, snap: Dict[str, Any], job_id: str, queued: Optiona
             snap["status"] = "running"
         return
     if not snap["final"] and not snap["alive"]:
-        stopped = os.path.exists(_path(run_dir, "stop_requested"))
+        stopped = os.path.exists(run_file(run_dir, "stop_requested"))
         snap["scheduler"] = scheduler.describe(run_dir, job_id, stopped)
         if snap["scheduler"]["job_state"] == "CANCELLED" and not stopped:
             snap["status"] = "cancelled"
@@ -410,11 +331,11 @@ def _wait_until_dead(run_dir: str, pgid: int, seconds: float) -> bool:
 
 def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
     """SIGTERM the trainer's group (and launcher), SIGKILL after grace_s, then re-probe honestly."""
-    state = read_json(_path(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json")) or {}
     pgid, pid = int(state.get("pgid") or 0), int(state.get("pid") or 0)
     if not is_alive(run_dir) and not (pgid and _group_members(pgid)):
         return {"outcome": "was not running", "status": probe(run_dir)["status"]}
-    atomic_write_json(_path(run_dir, "stop_requested"), {"at": _now()})
+    atomic_write_json(run_file(run_dir, "stop_requested"), {"at": now()})
     if pid and _is_our_launcher(pid, run_dir):
         os.kill(pid, signal.SIGTERM)  # the launcher forwards it and arms its own SIGKILL timer
     _killpg(pgid, signal.SIGTERM)  # and directly, in case the launcher is already gone
@@ -427,8 +348,8 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
     if is_alive(run_dir) or survivors:
         return {"outcome": "error", "survivors": survivors,
                 "error": "processes survived SIGKILL: %s" % survivors}
-    if not is_final(read_json(_path(run_dir, "state.json")) or {}):
-        _update_state(run_dir, status="stopped", final=True, ended_at=_now())  # the launcher died first
+    if not is_final(read_json(run_file(run_dir, "state.json")) or {}):
+        update_state(run_dir, status="stopped", final=True, ended_at=now())  # the launcher died first
         seal(run_dir)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
 
@@ -436,9 +357,9 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     """Stop a SLURM run (scancel, TERM then KILL); mark it stopped and sealed if its launcher could not."""
     outcome = scheduler.cancel(run_dir, grace_s)
-    state = read_json(_path(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json")) or {}
     if outcome["outcome"] == "stopped" and not is_final(state) and not is_alive(run_dir):
-        _update_state(run_dir, status="stopped", final=True, ended_at=_now())
+        update_state(run_dir, status="stopped", final=True, ended_at=now())
         seal(run_dir)
     return outcome
 
@@ -452,45 +373,6 @@ def _is_our_launcher(pid: int, run_dir: str) -> bool:
 
 
 # ---------------------------------------------------------------- sealing
-
-
-def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, List[str]]:
-    """The files the manifest lists, and the declared artifacts that matched nothing."""
-    files = [n for n in ("run.json", "state.json", "events.jsonl", "train.log")
-             if os.path.isfile(_path(run_dir, n))]
-    latest = latest_checkpoint(_path(run_dir, "checkpoints"))
-    if latest:
-        files.append(os.path.relpath(latest, run_dir))
-    mapped = spec.get("checkpoint_path")
-    if mapped and os.path.isfile(_path(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))):
-        files.append(os.path.join("checkpoints", os.path.basename(mapped)))
-    artifacts, missing = _path(run_dir, "artifacts"), []
-    for pattern in spec.get("artifacts", []):
-        found = sorted(p for p in glob.glob(os.path.join(artifacts, pattern), recursive=True)
-                       if os.path.isfile(p))
-        missing += [] if found else [pattern]
-        files += [os.path.relpath(p, run_dir) for p in found]
-    return {"files": sorted(set(files)), "missing": missing}
-
-
-def seal(run_dir: str) -> Dict[str, Any]:
-    """Write PULL_MANIFEST.json (bytes and SHA-256 of every roster file) unless it exists."""
-    path = _path(run_dir, "PULL_MANIFEST.json")
-    existing = read_json(path)
-    if existing is not None:
-        return existing
-    spec = read_json(_path(run_dir, "run.json")) or {}
-    roster = _roster(run_dir, spec)
-    entries = []
-    for name in roster["files"]:
-        digest, size = sha256_file(_path(run_dir, name))
-        entries.append({"path": name, "bytes": size, "sha256": digest})
-    state = read_json(_path(run_dir, "state.json")) or {}
-    manifest = {"format": 1, "run_id": spec.get("run_id"), "status": state.get("status"),
-                "sealed_at": _now(), "files": entries, "missing": roster["missing"],
-                "artifacts": spec.get("artifacts", [])}
-    atomic_write_json(path, manifest)
-    return manifest
 
 
 # ---------------------------------------------------------------- command line

@@ -20,6 +20,7 @@ from tether.pipelines import transfer
 from tether.pipelines.observe import EventReader, tail_text
 from tether.pipelines.session import Session
 from tether.remote.fileio import atomic_write_json, read_json
+from tether.remote.rundir import restart_allowed
 
 
 RECONNECT_MAX_S = 30.0  # backoff ceiling while the far side is unreachable
@@ -238,10 +239,9 @@ def _settled(s: Session, snap: dict, seen: dict) -> bool:
 def _restart(s: Session, run: RunPaths, snap: dict) -> None:
     """Relaunch from the latest checkpoint when the restart policy allows it, else say what to do."""
     status, restarts = snap["status"], int(snap["state"].get("restarts") or 0)
-    policy, most = s.job.restart.policy, s.job.restart.max_restarts
-    allowed = (status == "preempted" and policy in ("on-preempt", "on-failure")) or \
-              (status == "failed" and policy == "on-failure")
-    if allowed and restarts < most:
+    policy, most, spec = s.job.restart.policy, s.job.restart.max_restarts, {"restart": asdict(s.job.restart)}
+    allowed = restart_allowed(status, spec, attempt=1)  # does the policy cover this end at all?
+    if restart_allowed(status, spec, attempt=restarts + 1):
         result = s.backend.launch(run)
         print(f"\n{run.run_id}: {status}; relaunched from its latest checkpoint "
               f"(restart {restarts + 1} of at most {most}, {result['outcome']})", file=sys.stderr)
@@ -306,8 +306,8 @@ def pull(s: Session) -> str:
     with transfer.bar(total, "pull") as progress:
         small = [e for e in todo if e["bytes"] <= transfer.SMALL]
         for group in transfer.batches(small, lambda e: e["bytes"]):
-            data = s.backend.launcher_bytes("send", run.remote_abs, stdin=json.dumps([e["path"] for e in group]).encode())
-            transfer.unpack(data, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group}, progress)
+            tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=json.dumps([e["path"] for e in group]).encode())
+            transfer.unpack(tar, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group}, progress)
         for e in todo:
             if e["bytes"] > transfer.SMALL:
                 transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]),

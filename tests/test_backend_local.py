@@ -12,6 +12,7 @@ import pytest
 
 from backend_contract import BackendContract
 from tether.backends.local import Backend, Config
+from tether.errors import BackendError
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -76,7 +77,8 @@ class TestLocalBackend(BackendContract):
 
     def test_check_is_not_ready_with_a_missing_python(self, tmp_path, neutral_cwd):
         backend = Backend("local", Config(python=str(tmp_path / "no-such-python")), str(tmp_path / ".tether"))
-        backend.install_launcher()
+        with pytest.raises(BackendError, match="no-such-python.*set python:"):
+            backend.install_launcher()  # the far side's Python unpacks the launcher: it must exist
         report = backend.check()
         assert not report.ready
         python = [i for i in report.items if i["check"] == "python"]

@@ -12,13 +12,13 @@ import hashlib
 import json
 import os
 import posixpath
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import tether
 from tether.errors import BackendError
 from tether.paths import RunPaths
+from tether.remote.fileio import tar_bytes
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
@@ -27,6 +27,19 @@ SHIPPED = (  # what the far side needs: the launcher, the runtime and what they 
     "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
 )
+
+
+UNPACK = """import os, shutil, sys, tarfile, tempfile
+parent, version = sys.argv[1], sys.argv[2]
+os.makedirs(parent, mode=0o700, exist_ok=True)
+tmp = tempfile.mkdtemp(prefix="." + version + ".", dir=parent)
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|").extractall(tmp)
+open(os.path.join(tmp, "COMPLETE"), "w").write(version)
+try:
+    os.rename(tmp, os.path.join(parent, version))
+except OSError:
+    shutil.rmtree(tmp)  # another invocation installed the same version first
+"""
 
 
 def launcher_version() -> str:
@@ -118,24 +131,18 @@ class Backend:
                                f"run `doit check` to see what the far side lacks")
 
     def install_launcher(self) -> bool:
-        """Copy the launcher to remote_dir/tether/<version>/ unless it is there; True if copied."""
-        fs = self.filesystem()
-        final = f"tether/{self.version}"
+        """Copy the launcher to remote_dir/tether/<version>/ unless it is there; True if copied.
+
+        One command: a tar on stdin, unpacked by the far side's Python into a temporary folder
+        that is renamed into place, so a half-copied launcher never has the final name.
+        """
         try:
-            fs.info(f"{final}/COMPLETE")
+            self.filesystem().info(f"tether/{self.version}/COMPLETE")
             return False
         except FileNotFoundError:
             pass
-        tmp = f"tether/.{self.version}.tmp-{uuid.uuid4().hex[:8]}"
-        for rel in SHIPPED:
-            fs.makedirs(posixpath.dirname(f"{tmp}/{rel}"), exist_ok=True)
-            fs.put_file(os.path.join(PACKAGE_ROOT, rel), f"{tmp}/{rel}")
-        fs.pipe_file(f"{tmp}/COMPLETE", self.version.encode())
-        try:
-            fs.mv(tmp, final, recursive=True)
-        except OSError:
-            fs.info(f"{final}/COMPLETE")  # another invocation won the race: fine if complete
-            fs.rm(tmp, recursive=True)
+        archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in SHIPPED])
+        self._execute([self.python, "-c", UNPACK, f"{self.remote_dir}/tether", self.version], archive)
         return True
 
     def settings(self) -> dict:

@@ -19,7 +19,7 @@ from tether.paths import RunPaths
 from tether.pipelines import transfer
 from tether.pipelines.observe import EventReader, tail_text
 from tether.pipelines.session import Session
-from tether.remote.fileio import atomic_write_json, read_json
+from tether.remote.fileio import atomic_write_json, read_json, tar_bytes
 from tether.remote.rundir import restart_allowed
 
 
@@ -119,7 +119,7 @@ def _upload_objects(s: Session, fs) -> tuple[list[str], int]:
     small = [h for h in missing if unique[h].size <= transfer.SMALL]
     with transfer.bar(total, "push") as progress:
         for group in transfer.batches(small, lambda h: unique[h].size):
-            stored = s.backend.launcher("receive", objects, stdin=transfer.pack([(h, unique[h].local) for h in group]))
+            stored = s.backend.launcher("receive", objects, stdin=tar_bytes([(h, unique[h].local) for h in group]))
             if stored["bad"]:
                 raise BackendError(f"the far side refused {stored['bad'][:3]}: the files changed while being "
                                    f"pushed? run the push again")

@@ -30,15 +30,6 @@ def batches(items: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
     return [g for g in groups if g]
 
 
-def pack(files: list[tuple[str, str]]) -> bytes:
-    """A tar (in memory, one batch) of local files: [(name in the archive, local path)]."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for name, local in files:
-            tar.add(local, arcname=name, recursive=False)
-    return buffer.getvalue()
-
-
 def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any) -> None:
     """Write each member of a tar to its local place (path, bytes, sha256), checked, via `.part`."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-from typing import Any, BinaryIO, Callable, Optional, Tuple
+import tarfile
+from typing import Any, BinaryIO, Callable, List, Optional, Tuple
 
 CHUNK = 1 << 20  # 1 MiB reads: past this, hashing speed no longer improves
 
@@ -74,3 +76,12 @@ def sha256_file(path: str) -> Tuple[str, int]:
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
+
+
+def tar_bytes(files: List[Tuple[str, str]]) -> bytes:
+    """A tar, in memory, of local files: [(name in the archive, local path)] (one batch of small files)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, local in files:
+            tar.add(local, arcname=name, recursive=False)
+    return buffer.getvalue()

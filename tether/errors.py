@@ -37,7 +37,8 @@ class RemoteCommandError(BackendError):
     def __init__(self, argv: list[str], exit_code: int, stderr: str) -> None:
         self.argv, self.exit_code = argv, exit_code
         self.stderr_tail = "\n".join(stderr.strip().splitlines()[-10:])
-        super().__init__(f"far-side command {argv[1:3]} exited {exit_code}: {self.stderr_tail}")
+        shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in argv[:3])
+        super().__init__(f"far-side command `{shown}` exited {exit_code}: {self.stderr_tail}")
 
 
 class ManifestError(TetherError):

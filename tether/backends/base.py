@@ -96,6 +96,11 @@ class Backend:
     def python(self) -> str:
         raise NotImplementedError
 
+    @property
+    def base_python(self) -> str:
+        """The interpreter that exists before `prepare` (which may build a venv from it)."""
+        return self.python
+
     def filesystem(self) -> Any:
         """An fsspec filesystem whose root is remote_dir."""
         raise NotImplementedError
@@ -142,7 +147,7 @@ class Backend:
         except FileNotFoundError:
             pass
         archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in SHIPPED])
-        self._execute([self.python, "-c", UNPACK, f"{self.remote_dir}/tether", self.version], archive)
+        self._execute([self.base_python, "-c", UNPACK, f"{self.remote_dir}/tether", self.version], archive)
         return True
 
     def settings(self) -> dict:

@@ -141,6 +141,10 @@ class Backend(BaseBackend):
         return self._remote_dir
 
     @property
+    def base_python(self) -> str:
+        return self.config.python
+
+    @property
     def python(self) -> str:
         if getattr(self.config, "packages", ()):
             return f"{self.remote_dir}/venv/{self._venv_hash()}/bin/python"

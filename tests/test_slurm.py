@@ -369,7 +369,7 @@ def test_rendered_job_script_is_accepted_by_sbatch(cluster, tmp_path):
 # ---------------------------------------------------------------- the slow one, started early
 
 
-TIME_LIMITED_STEPS = 98  # steps of 0.5 s: 49 s of work; see time_limited
+TIME_LIMITED_STEPS = 100  # steps of 0.5 s: 50 s of work; see time_limited
 
 
 @pytest.fixture(scope="module")
@@ -378,10 +378,10 @@ def time_limited(cluster, tmp_path_factory):
 
     With `time: 00:01:00` and `--signal=B:USR1@30`, slurmctld sends USR1 at its first time-limit
     check (every 30 s) after the job starts, since it adds that period to the warning time: the
-    first attempt works 0-30 s, a requeued one about 18 s (it restarts ~11 s after the check that
-    signalled its predecessor). 49 s of work therefore needs at least three attempts and at most
-    four, which max_restarts 3 allows. (About 100 s of work, as first planned, cannot finish in
-    four attempts of at most 30 s.)
+    first attempt works 0-30 s, a requeued one about 19 s (it restarts ~11 s after the check that
+    signalled its predecessor). 50 s of work therefore needs at least three attempts and at most
+    four, which max_restarts 3 allows. (About 100 s of work cannot finish in four attempts: at
+    most 30 + 3 x 19 s.)
     """
     project = new_project(tmp_path_factory.mktemp("time-limited") / "proj")
     remote = new_remote_dir()
@@ -473,7 +473,7 @@ def test_one_polling_cycle_is_one_far_side_command(project, cluster, remote):
 TORCH_JOB = """\
 name: digits
 backend: {backend}
-trainer:
+{data}trainer:
   type: torch-classifier
   layers: [linear:64, relu, dropout:0.2, linear:32, relu]
   epochs: 40
@@ -499,9 +499,32 @@ def model_sha(project: Project, run_id: str) -> str:
     return sha256(model)
 
 
+def torch_job(cluster, remote: Path, data: str = "data: {paths: [demo/points.csv]}\n") -> str:
+    """The torch-classifier job of test_torch_trainer.py, longer (40 epochs), on backend hpc (the cluster).
+
+    It pushes points.csv, which the digits trainer never reads: a job with nothing to push hangs in
+    push on this backend (test_a_job_with_nothing_to_push_gets_through_push), not what this tests.
+    """
+    return TORCH_JOB.format(backend="hpc", ack=POLL_ACK, data=data,
+                            hpc=json.dumps(slurm_backend_config(cluster, remote)))
+
+
+def test_a_job_with_nothing_to_push_gets_through_push(project, cluster, remote):
+    """The built-in trainers need no code or data paths, so push has no object to ask the far side
+    about: `launcher.py have` then gets an empty stdin, which must still end (EOF), not wait forever."""
+    project.write_config(torch_job(cluster, remote, data=""))
+    try:
+        pushed = project.doit("run", "push", timeout=30)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"`doit run push` of a job with no code or data paths hung for {err.timeout}s "
+                    f"(far side: `launcher.py have` waiting on stdin)")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert "pushed 0 of 0 files (0 bytes)" in pushed.stdout, pushed.stdout
+
+
 def test_scontrol_requeue_mid_training_resumes_bit_for_bit(project, cluster, remote, tmp_path):
     pytest.importorskip("torch", reason="the torch extra is part of the test install")
-    text = TORCH_JOB.format(backend="hpc", ack=POLL_ACK, hpc=json.dumps(slurm_backend_config(cluster, remote)))
+    text = torch_job(cluster, remote)
     project.write_config(text)
     reference = new_project(tmp_path / "reference")  # the same trainer settings, uninterrupted, locally
     reference.write_config(text.replace("backend: hpc", "backend: local"))
@@ -650,6 +673,9 @@ def test_stop_scancels_term_then_kill_and_ends_stopped(project, cluster, remote)
     assert jobs_of_run(cluster, run_id) == []
     state = far_json(remote, run_id, "state.json")
     assert (state["status"], state["final"]) == ("stopped", True), state
+    assert state["signal"] == "SIGTERM" and state["exit_code"] == -signal.SIGKILL, state  # TERM first, then KILL
+    scancels = (cluster.base / "slurmctld.log").read_text().count(f"REQUEST_KILL_JOB JobId={job_id} ")
+    assert scancels >= 1, "the job was not stopped through scancel"
     assert (far(remote, run_id) / "PULL_MANIFEST.json").is_file()  # sealed: its files can come home
     assert doit_status(project)["status"] == "stopped"
 
@@ -675,17 +701,23 @@ def test_time_limit_usr1_checkpoint_requeue_until_done(time_limited, cluster):
     assert code == 0, doit.text("stdout") + doit.text("stderr")
     run_id = only_run_id(project)
     events = far_events(remote, run_id)
+    timeline = "\n".join(f"{e['t'] - events[0]['t']:6.1f}s {e['event']} "
+                          + json.dumps({k: e[k] for k in ("attempt", "status", "signal", "step", "start") if k in e})
+                          for e in events if e["event"] in ("launch", "trainer-start", "preempting", "exit"))
+    print(timeline)  # shown when the test fails
     launches = named(events, "launch")
     resumed = [e for e in launches if e["resumed_from"]]
-    assert len(resumed) >= 2, launches
+    assert len(resumed) >= 2, timeline
     assert launches[0]["resumed_from"] is None
-    preempted = named(events, "preempting")
-    assert len(preempted) == len(launches) - 1 and all(e["signal"] == "SIGUSR1" for e in preempted), preempted
     exits = named(events, "exit")
-    assert [e["status"] for e in exits] == ["preempted"] * (len(launches) - 1) + ["completed"], exits
+    assert [e["status"] for e in exits] == ["preempted"] * (len(launches) - 1) + ["completed"], timeline
+    preempted = named(events, "preempting")  # the trainer's own "checkpointed on request" (one per attempt,
+    assert preempted and all(e["signal"] == "SIGUSR1" for e in preempted), timeline  # unless USR1 beat its handler)
     starts = named(events, "trainer-start")
-    for before, after in zip(preempted, starts[1:]):
-        assert after["start"] == before["step"] > 0, (before, after)  # each attempt went on from the last
+    assert len(starts) == len(launches)
+    for start in starts[1:]:  # each attempt went on from the newest checkpoint before it
+        saved = [e["step"] for e in events[:events.index(start)] if e["event"] == "checkpoint"]
+        assert start["start"] == saved[-1] > 0, timeline
     assert [e["slurm_restart_count"] for e in starts] == [None] + [str(i) for i in range(1, len(starts))]
     job_id = far_json(remote, run_id, "slurm.json")["job_id"]
     assert far_json(remote, run_id, "slurm.json")["jobs"] == [job_id]  # the job requeued itself: one sbatch

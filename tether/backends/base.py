@@ -85,6 +85,7 @@ class Backend:
     def __init__(self, name: str, config: Any, state_dir: str) -> None:
         self.name, self.config, self.state_dir = name, config, state_dir
         self.version = launcher_version()
+        self._installed = False
 
     # ------------------------------------------------------------ the transport (per type)
 
@@ -127,7 +128,13 @@ class Backend:
         return self._execute([self.python, f"{self.version_dir}/tether/remote/launcher.py", command, *args], stdin)
 
     def launcher(self, command: str, *args: str, stdin: bytes = b"") -> Any:
-        """Run one launcher command on the far side and decode its JSON answer."""
+        """Run one launcher command on the far side and decode its JSON answer.
+
+        The first call of an invocation makes sure this version of the launcher is there (one
+        stat), so `status` or `stop` work from a newer tether than the one that launched the run.
+        """
+        if not self._installed:
+            self.install_launcher()
         out = self.launcher_bytes(command, *args, stdin=stdin).decode(errors="replace")
         try:
             return json.loads(out.strip().splitlines()[-1])
@@ -143,11 +150,13 @@ class Backend:
         """
         try:
             self.filesystem().info(f"tether/{self.version}/COMPLETE")
+            self._installed = True
             return False
         except FileNotFoundError:
             pass
         archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in SHIPPED])
         self._execute([self.base_python, "-c", UNPACK, f"{self.remote_dir}/tether", self.version], archive)
+        self._installed = True
         return True
 
     def settings(self) -> dict:

@@ -54,7 +54,7 @@ class Config(ssh.Connection):
     prelude: tuple[str, ...] = ()
     poll_interval_s: float = 30.0
     exit_grace_s: float = 60.0
-    job_name: str = "tether"
+    job_name: str = "tether"  # the job is named <job_name>-<the run id's last 8 characters: its hash>
     signal_grace_s: int = 120
 
     def problems(self) -> list[str]:
@@ -69,7 +69,7 @@ class Config(ssh.Connection):
         if self.nice is not None and not 0 <= self.nice <= 2000:
             found.append(f"nice {self.nice} is outside 0-2000")
         for option in self.sbatch_options:
-            if option.split("=")[0] in OWN_FLAGS:
+            if (option.split("=")[0].split() or [""])[0] in OWN_FLAGS:
                 found.append(f"sbatch_options: {option!r} is set by tether itself ({', '.join(OWN_FLAGS[:4])} "
                              f"are tether's own); remove it")
         if self.poll_interval_s < 1:
@@ -94,7 +94,7 @@ class Config(ssh.Connection):
 
 def sbatch_lines(cfg: Config, run: RunPaths) -> list[str]:
     """The #SBATCH lines of a run's job.sh (tether's own flags, then the config's, then sbatch_options)."""
-    lines = [f"--job-name={cfg.job_name}-{run.run_id[:8]}", f"--output={run.remote_abs}/slurm-%j.out",
+    lines = [f"--job-name={cfg.job_name}-{run.run_id[-8:]}", f"--output={run.remote_abs}/slurm-%j.out",
              f"--chdir={run.remote_abs}"]
     for key, flag in SBATCH.items():
         value = getattr(cfg, key)
@@ -114,10 +114,12 @@ def job_script(cfg: Config, run: RunPaths, launcher: str, python: str) -> str:
     ] if cfg.nodes > 1 else []
     return "\n".join(["#!/bin/bash", *sbatch_lines(cfg, run), "", "# prelude (from the config)",
                       *cfg.prelude, "", *multi_node,
+                      "child=; early=",
+                      "trap 'early=USR1; kill -USR1 $child 2>/dev/null' USR1  # the time-limit warning",
+                      "trap 'early=TERM; kill -TERM $child 2>/dev/null' TERM  # scancel, preemption, requeue",
                       f"{q(python)} {q(launcher)} run {q(run.remote_abs)} &",
                       "child=$!",
-                      "trap 'kill -USR1 $child 2>/dev/null' USR1  # the time-limit warning",
-                      "trap 'kill -TERM $child 2>/dev/null' TERM  # scancel, preemption, requeue",
+                      '[ -n "$early" ] && kill -$early $child  # a signal that came before the launcher',
                       "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done",
                       f'echo "$code" > {q(run.remote_abs)}/exit_code.$SLURM_JOB_ID',
                       '[ "$code" = 99 ] && scontrol requeue "$SLURM_JOB_ID"  # the restart policy wants another attempt',
@@ -164,7 +166,8 @@ class Backend(ssh.Backend):
         result = self.launcher("submit", run.remote_abs, stdin=json.dumps(settings).encode())
         if result["outcome"] == "error":
             raise BackendError(f"{run.run_id}: {result['error']}")
-        print(f"{run.run_id}: SLURM job {result['job_id']} (sbatch {' '.join(result['flags'] or [])})")
+        if result["outcome"] == "started":
+            print(f"{run.run_id}: SLURM job {result['job_id']} (sbatch {' '.join(result['flags'] or [])})")
         return dict(result, state=result.get("state") or {})
 
     def stop(self, run: RunPaths, grace_s: float) -> dict:

@@ -172,7 +172,7 @@ class Backend(BaseBackend):
             print(f"[ssh {self.config.host}] {command}", file=sys.stderr)
         self.commands += 1
         try:
-            done = sync(fs.loop, fs.client.run, command, input=stdin or None, encoding=None,
+            done = sync(fs.loop, fs.client.run, command, input=stdin, encoding=None,  # b"" still sends EOF
                         check=False, timeout=COMMAND_TIMEOUT_S)
         except Exception as err:
             self.reconnect()  # the next command opens a fresh connection

@@ -49,7 +49,7 @@ def tail_text(fs: Any, run: RunPaths, name: str = "train.log", lines: int = 20) 
     """The last `lines` lines of a far-side file (empty when it does not exist)."""
     try:
         with fs.open(run.remote_file(name), "rb") as f:
-            size = f.size
+            size = f.seek(0, 2)
             f.seek(max(0, size - 16384))
             text = f.read().decode(errors="replace")
     except FileNotFoundError:

@@ -116,7 +116,7 @@ class _Supervisor:
     """
 
     def __init__(self, grace_s: float) -> None:
-        self.pgid, self.grace_s, self.signalled, self.pending = 0, grace_s, "", 0
+        self.pgid, self.grace_s, self.signalled, self.pending = 0, grace_s, "", 0  # grace_s: set from run.json
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._forward)
 
@@ -165,6 +165,7 @@ def _outcome(run_dir: str, returncode: int, signalled: str) -> str:
 
 def run(run_dir: str) -> int:
     """Run the trainer once for this run dir; the exit code says whether it was started."""
+    supervisor = _Supervisor(30.0)  # first: a signal that comes while we start up is kept, not fatal
     lock = try_lock(run_dir)
     if lock is None:
         print("run %s is already running" % run_dir, file=sys.stderr)
@@ -183,7 +184,7 @@ def run(run_dir: str) -> int:
     attempt = int(state.get("attempt", 0)) + 1
     resume = _resume_point(run_dir, spec)
     argv = _trainer_command(run_dir, spec, resume)
-    supervisor = _Supervisor(float(spec.get("grace_seconds", 30)))
+    supervisor.grace_s = float(spec.get("grace_seconds", 30))
     with open(run_file(run_dir, "train.log"), "ab") as log:
         child = subprocess.Popen(
             argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
@@ -210,7 +211,10 @@ def run(run_dir: str) -> int:
     event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
     if final:
         seal(run_dir)
-    return REQUEUE_EXIT if os.environ.get("SLURM_JOB_ID") and restart_allowed(status, spec, attempt) else 0
+    # A SLURM job requeues itself after the time-limit warning (USR1) or a trainer's own exit 75;
+    # never after a TERM: that is scancel (the user's will) or a scheduler that requeues by itself.
+    requeue = os.environ.get("SLURM_JOB_ID") and supervisor.signalled not in ("SIGTERM", "SIGINT", "SIGHUP")
+    return REQUEUE_EXIT if requeue and restart_allowed(status, spec, attempt) else 0
 
 
 def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:

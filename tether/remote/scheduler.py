@@ -82,9 +82,16 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
     """Submit job.sh once for this run (under a lock): an existing job of the run is adopted, never doubled."""
     with open(os.path.join(run_dir, "submit.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        state = read_json(os.path.join(run_dir, "state.json")) or {}
         known = read_json(os.path.join(run_dir, "slurm.json")) or {}
-        if known.get("job_id") and (queue([known["job_id"]]) or {}).get(known["job_id"]):
-            return {"outcome": "running", "job_id": known["job_id"], "flags": known.get("flags")}
+        if state.get("final"):
+            return {"outcome": "finished", "job_id": known.get("job_id"), "flags": known.get("flags"), "state": state}
+        if known.get("job_id"):
+            queued = queue([known["job_id"]])
+            if queued is None:  # cannot tell whether the job still runs: never risk a second one
+                return {"outcome": "error", "error": "squeue failed, so job %s may still run: try again" % known["job_id"]}
+            if known["job_id"] in queued:
+                return {"outcome": "running", "job_id": known["job_id"], "flags": known.get("flags"), "state": state}
         env = settings.get("env") or {}
         fd = os.open(os.path.join(run_dir, "launch_env.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -99,7 +106,6 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         record = {"job_id": job_id, "flags": flags, "submitted_at": round(time.time(), 3),
                   "jobs": known.get("jobs", []) + [job_id]}
         atomic_write_json(os.path.join(run_dir, "slurm.json"), record)
-        state = read_json(os.path.join(run_dir, "state.json")) or {}
         if state.get("status") in (None, "pending"):
             atomic_write_json(os.path.join(run_dir, "state.json"), dict(state, status="pending", job_id=job_id))
         return {"outcome": "started", "job_id": job_id, "flags": flags, "state": state}
@@ -111,7 +117,10 @@ def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     if not job_id or not (queue([job_id]) or {}).get(job_id):
         return {"outcome": "was not running", "job_id": job_id}
     atomic_write_json(os.path.join(run_dir, "stop_requested"), {"at": time.time()})
-    _run(["scancel", "--full", "--signal=TERM", job_id])
+    if (queue([job_id]) or {}).get(job_id, {}).get("state") in QUEUED:
+        _run(["scancel", job_id])  # nothing runs yet: no one to warn (and TERM is refused for it)
+    else:
+        _run(["scancel", "--full", "--signal=TERM", job_id])
     deadline = time.time() + grace_s
     while time.time() < deadline and (queue([job_id]) or {}).get(job_id):
         time.sleep(0.5)

@@ -307,7 +307,8 @@ def test_sbatch_lines_hold_every_sbatch_key_that_is_set(tmp_path):
     cfg = Config(host="login", remote_dir="~/tether", sbatch_options=("--account=ml", "--qos=high"), **values)
     run = RunPaths(RUN_ID, str(tmp_path / ".tether"), "/shared/tether")
     lines = sbatch_lines(cfg, run)
-    assert lines[:3] == ["#SBATCH --job-name=tether-demo-202", f"#SBATCH --output={run.remote_abs}/slurm-%j.out",
+    assert lines[:3] == [f"#SBATCH --job-name=tether-{RUN_ID[-8:]}",  # the run's hash: unique in squeue
+                         f"#SBATCH --output={run.remote_abs}/slurm-%j.out",
                          f"#SBATCH --chdir={run.remote_abs}"]
     for key, flag in SBATCH.items():
         assert f"#SBATCH {flag}={values[key]}" in lines, (key, lines)
@@ -412,7 +413,7 @@ def test_train_verify_down_through_the_login_node(project, cluster, remote, time
     script = (run_dir / "job.sh").read_text()
     assert script.startswith("#!/bin/bash\n")
     sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH ")]
-    assert sbatch == [f"#SBATCH --job-name=tether-{run_id[:8]}", f"#SBATCH --output={run_dir}/slurm-%j.out",
+    assert sbatch == [f"#SBATCH --job-name=tether-{run_id[-8:]}", f"#SBATCH --output={run_dir}/slurm-%j.out",
                       f"#SBATCH --chdir={run_dir}", "#SBATCH --partition=debug", "#SBATCH --time=00:10:00"]
 
     fields = job_fields(cluster, job_id)  # what SLURM itself ran

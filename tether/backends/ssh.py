@@ -172,8 +172,11 @@ class Backend(BaseBackend):
             print(f"[ssh {self.config.host}] {command}", file=sys.stderr)
         self.commands += 1
         try:
-            done = sync(fs.loop, fs.client.run, command, input=stdin, encoding=None,  # b"" still sends EOF
-                        check=False, timeout=COMMAND_TIMEOUT_S)
+            import asyncssh
+
+            feed = {"input": stdin} if stdin else {"stdin": asyncssh.DEVNULL}  # never a stdin left open
+            done = sync(fs.loop, fs.client.run, command, encoding=None, check=False,
+                        timeout=COMMAND_TIMEOUT_S, **feed)
         except Exception as err:
             self.reconnect()  # the next command opens a fresh connection
             raise explain(err, self.config, 0.0) from err

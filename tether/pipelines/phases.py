@@ -113,6 +113,8 @@ def push(s: Session) -> str:
 def _upload_objects(s: Session, fs) -> tuple[list[str], int]:
     """Send the files whose content the far side's object store lacks (one round trip to ask)."""
     unique = {e.sha256: e for e in s.entries}
+    if not unique:
+        return [], 0
     objects = f"{s.backend.remote_dir}/objects"
     missing = s.backend.launcher("have", objects, stdin="\n".join(unique).encode())
     total = sum(unique[h].size for h in missing)

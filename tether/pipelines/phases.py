@@ -96,15 +96,10 @@ def up(s: Session) -> str:
 def push(s: Session) -> str:
     """Upload what the far side's object store lacks, then build the run's frozen code snapshot."""
     run = s.run()
-    fs = s.backend.filesystem()
-    sent, total = [], 0
-    try:
-        fs.info(run.remote_file("tree.json"))  # the run's file list is fixed once written
-    except FileNotFoundError:
-        sent, total = _upload_objects(s, fs)
-        listing = [{"root": e.root, "path": e.path, "sha256": e.sha256, "mode": e.mode} for e in s.entries]
-        transfer.pipe_atomic(fs, run.remote_file("tree.json"), json.dumps({"files": listing}).encode())
-    built = s.backend.launcher("materialize", run.remote_abs)["built"]  # skips what is already built
+    sent, total = _upload_objects(s, s.backend.filesystem())  # only what the object store lacks
+    listing = [{"root": e.root, "path": e.path, "sha256": e.sha256, "mode": e.mode} for e in s.entries]
+    built = s.backend.launcher("materialize", run.remote_abs,  # records tree.json once; skips what is built
+                               stdin=json.dumps({"files": listing}).encode())["built"]
     write_stamp(run, "push", files=len(s.entries), sent=len(sent), bytes_sent=total)
     what = f"built {' and '.join(built)}" if built else "snapshot already there"
     return f"{run.run_id}: pushed {len(sent)} of {len(s.entries)} files ({total} bytes); {what}"

@@ -115,13 +115,16 @@ def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, prog
         os.unlink(part)
         have = 0
     progress.update(have)
-    with fs.open(remote, "rb") as src, open(part, "ab") as dst:
-        src.seek(have)
-        for chunk in iter(lambda: src.read(CHUNK), b""):
-            dst.write(chunk)
-            progress.update(len(chunk))
-        dst.flush()
-        os.fsync(dst.fileno())
+    if have == 0:  # a whole file: the filesystem's own get, with many requests in flight
+        fs.get_file(remote, part, callback=bar_callback(progress))
+    else:  # continue a partial one where it stopped
+        with fs.open(remote, "rb") as src, open(part, "ab") as dst:
+            src.seek(have)
+            for chunk in iter(lambda: src.read(CHUNK), b""):
+                dst.write(chunk)
+                progress.update(len(chunk))
+    with open(part, "rb+") as done:
+        os.fsync(done.fileno())
     if not matches(part, size, sha256):
         os.unlink(part)  # a resumed part that does not add up is restarted from zero next time
         raise ManifestError(f"{remote}: the downloaded bytes do not match the manifest "

@@ -10,7 +10,7 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
     receive OBJECTS_DIR     store the small files of a tar on stdin (named by SHA-256, checked)
     send RUN_DIR            write the run files named on stdin (JSON) to stdout as a tar
-    materialize RUN_DIR     build code/ and data/ from tree.json and the object store
+    materialize RUN_DIR     build code/ and data/ from tree.json (given on stdin the first time)
     prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
@@ -401,7 +401,8 @@ def main(argv: List[str]) -> int:
     elif command == "receive":
         result = objects.receive(args[0], sys.stdin.buffer)
     elif command == "materialize":
-        result = objects.materialize(args[0])
+        offered = sys.stdin.read()
+        result = objects.materialize(args[0], json.loads(offered) if offered.strip() else None)
     elif command == "prune":
         result = objects.prune(args[0])
     elif command == "seal":

@@ -11,9 +11,9 @@ import os
 import shutil
 import tarfile
 import time
-from typing import IO, Any, Dict, List
+from typing import IO, Any, Dict, List, Optional
 
-from tether.remote.fileio import CHUNK, read_json
+from tether.remote.fileio import CHUNK, atomic_write_json, read_json
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
 STALE_UPLOAD_S = 600  # a partial upload this old belongs to a push that was killed
@@ -36,8 +36,14 @@ def have(objects_dir: str, hashes: List[str]) -> List[str]:
     return [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
 
 
-def materialize(run_dir: str) -> Dict[str, Any]:
-    """Build code/ (copies: a frozen snapshot) and data/ (hard links) from tree.json, once."""
+def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Build code/ (copies: a frozen snapshot) and data/ (hard links) from tree.json, once.
+
+    `offered`: the file list to record as tree.json if the run has none yet (it never changes after).
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    if offered is not None and read_json(os.path.join(run_dir, "tree.json")) is None:
+        atomic_write_json(os.path.join(run_dir, "tree.json"), offered)
     tree = read_json(os.path.join(run_dir, "tree.json"))
     objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
     built = []

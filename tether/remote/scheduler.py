@@ -16,6 +16,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from tether.remote.fileio import atomic_write, atomic_write_json, read_json
+from tether.remote.rundir import event
 
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING")
 ACTIVE = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
@@ -106,6 +107,7 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         record = {"job_id": job_id, "flags": flags, "submitted_at": round(time.time(), 3),
                   "jobs": known.get("jobs", []) + [job_id]}
         atomic_write_json(os.path.join(run_dir, "slurm.json"), record)
+        event(run_dir, "submit", job_id=job_id, flags=flags)  # the run's log says which job and how
         if state.get("status") in (None, "pending"):
             atomic_write_json(os.path.join(run_dir, "state.json"), dict(state, status="pending", job_id=job_id))
         return {"outcome": "started", "job_id": job_id, "flags": flags, "state": state}

@@ -12,6 +12,8 @@ from typing import Callable
 
 import pytest
 
+from helpers import stop_leftover_runs
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo"
 
@@ -19,19 +21,27 @@ CONFIG = """\
 name: {name}
 backend: local
 code:
-  paths: [demo/train.py]
+  paths: [{code}]
 data:
   paths: [demo/points.csv]
 trainer:
   type: command
-  command: "{{python}} demo/train.py --epochs {epochs}"
-artifacts: [model.json, metrics.json]
+  command: "{command}"
+artifacts: [{artifacts}]
 checkpoint: {{keep: 3, every: 50}}
 heartbeat_timeout_s: 60
 grace_seconds: {grace}
 backends:
   local: {{type: local}}
 """
+
+
+def config_text(name: str = "demo", epochs: int = 30, grace: float = 5, command: str | None = None,
+                code: str = "demo/train.py", artifacts: str = "model.json, metrics.json") -> str:
+    """The project's tether.yaml (backend local): the demo trainer for `epochs` unless `command` is given."""
+    if command is None:
+        command = f"{{python}} demo/train.py --epochs {epochs}"
+    return CONFIG.format(name=name, grace=grace, command=command, code=code, artifacts=artifacts)
 
 
 class Project:
@@ -41,10 +51,8 @@ class Project:
         self.root = root
 
     def write_config(self, text: str | None = None, **fields) -> Path:
-        values = dict(name="demo", epochs=30, grace=5)
-        values.update(fields)
         path = self.root / "tether.yaml"
-        path.write_text(text if text is not None else CONFIG.format(**values))
+        path.write_text(text if text is not None else config_text(**fields))
         return path
 
     def doit(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
@@ -110,7 +118,7 @@ def sshd(tmp_path_factory):
 def ssh_config_text(server, remote_dir: Path, name: str = "demo", epochs: int = 30, **extra) -> str:
     """A tether.yaml whose backend `lab` is the given sshd (the demo trainer)."""
     backend = json.dumps(server.backend_config(remote_dir, **extra))
-    return CONFIG.format(name=name, epochs=epochs, grace=5).replace(
+    return config_text(name=name, epochs=epochs).replace(
         "backend: local", "backend: lab").replace("  local: {type: local}", f"  lab: {backend}")
 
 
@@ -129,11 +137,4 @@ def project(tmp_path: Path) -> Project:
 
 def _kill_leftovers(root: Path) -> None:
     """Stop any launcher or trainer a test left running (found by the run dirs they hold)."""
-    remote = root / ".tether" / "remote" / "runs"
-    if not remote.is_dir():
-        return
-    from tether.remote import launcher
-
-    for run_dir in remote.iterdir():
-        if launcher.is_alive(str(run_dir)):
-            launcher.stop(str(run_dir), 1.0)
+    stop_leftover_runs(root / ".tether" / "remote")

@@ -3,42 +3,15 @@
 from __future__ import annotations
 
 import json
-
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from backend_contract import BackendContract
+from helpers import alive, group
 from tether.backends.local import Backend, Config
 from tether.errors import BackendError
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields after the command name in /proc/PID/stat, or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a process that has not exited (a zombie has)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
-
-
-def group(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields and fields[0] != "Z" and int(fields[2]) == pgid:
-                found.append(int(entry))
-    return found
 
 
 @pytest.fixture

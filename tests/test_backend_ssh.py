@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import stat
 import uuid
 from pathlib import Path
@@ -19,50 +18,15 @@ from pathlib import Path
 import pytest
 
 from backend_contract import BackendContract, wait_for
+from helpers import stop_leftover_runs
 from sshd import SSHServer
 from tether.backends.ssh import Backend, Config
 from tether.errors import BackendError
-from tether.remote import launcher
 
 
 def ssh_backend(server: SSHServer, remote_dir, state_dir: Path, **extra) -> Backend:
     """tether.backends.ssh.Backend for `server`, built from its backend_config (as a tether.yaml would)."""
     return Backend("lab", Config(**server.backend_config(remote_dir, **extra)), str(state_dir))
-
-
-def stop_leftover_runs(remote_dir: Path) -> None:
-    """Stop any launcher or trainer still holding a run under remote_dir (the far side is this machine)."""
-    runs = Path(remote_dir) / "runs"
-    if runs.is_dir():
-        for run_dir in runs.iterdir():
-            if launcher.is_alive(str(run_dir)):
-                launcher.stop(str(run_dir), 1.0)
-
-
-def halt(server: SSHServer) -> None:
-    """`server.stop()`, and end the connections it is serving.
-
-    SSHServer.stop() signals sshd's process group only; with OpenSSH 9.2 every connection's own
-    sshd (`sshd: root@notty`) calls setsid(), so the established connections would live on.
-    They are the listener's children: found before the stop, killed after it.
-    """
-    listener = server.process.pid if server.process else None
-    sessions = []
-    for entry in os.listdir("/proc") if listener else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == listener:
-                sessions.append(int(entry))
-    server.stop()
-    for pid in sessions:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def accepted_logins(server: SSHServer) -> int:
@@ -134,7 +98,7 @@ class TestSSHBackend(BackendContract):
             backend = ssh_backend(server, tmp_path / "far", tmp_path / ".tether", connect_timeout_s=3)
             backend.install_launcher()
             assert backend.check().ready
-            halt(server)
+            server.stop()
             with pytest.raises(BackendError) as lost:  # tether's own error, never asyncssh's
                 backend.launcher("probe", f"{backend.remote_dir}/runs/none")
             assert "\n" not in str(lost.value)
@@ -146,7 +110,7 @@ class TestSSHBackend(BackendContract):
             answer = backend.launcher("probe", f"{backend.remote_dir}/runs/none")
             assert answer[f"{backend.remote_dir}/runs/none"]["status"] == "absent"
         finally:
-            halt(server)
+            server.stop()
 
 
 # ---------------------------------------------------------------- the config refuses what a shell could misread

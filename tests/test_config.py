@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import pytest
 
+from conftest import config_text
 from tether import config
 from tether.backends import BACKEND_TYPES
 from tether.errors import ConfigError, RunError
@@ -19,23 +20,7 @@ from tether.pipelines.session import VARIABLES, check_variables
 from tether.trainers.registry import TRAINER_TYPES
 
 # A clean job in the project the `project` fixture makes (demo/train.py and demo/points.csv exist).
-BASE = """\
-name: demo
-backend: local
-code:
-  paths: [demo/train.py]
-data:
-  paths: [demo/points.csv]
-trainer:
-  type: command
-  command: "{python} demo/train.py --epochs 3"
-artifacts: [model.json, metrics.json]
-checkpoint: {keep: 3, every: 50}
-heartbeat_timeout_s: 60
-grace_seconds: 5
-backends:
-  local: {type: local}
-"""
+BASE = config_text(epochs=3)
 
 NO_ARTIFACTS = BASE.replace("artifacts: [model.json, metrics.json]\n", "")
 NO_ARTIFACTS_WARNING = "no artifacts declared"

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from backend_contract import ARTIFACTS, TRAINER, wait_for
+from helpers import alive, group
 from tether.remote import launcher, machine, objects
 from tether.trainers import runtime
 
@@ -27,31 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a process that has not exited (a zombie has)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
-
-
-def group(pgid: int) -> list[int]:
-    """Live (non-zombie) members of process group `pgid`, read from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields and fields[0] != "Z" and int(fields[2]) == pgid:
-                found.append(int(entry))
-    return found
 
 
 def events(run_dir: str, name: str | None = None) -> list[dict]:

@@ -18,76 +18,22 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-# The fixture's config, with the trainer, the code and the artifacts as parameters.
-TEMPLATE = """\
-name: demo
-backend: local
-code:
-  paths: [{code}]
-data:
-  paths: [demo/points.csv]
-trainer:
-  type: command
-  command: "{command}"
-artifacts: [{artifacts}]
-checkpoint: {{keep: 3, every: 50}}
-heartbeat_timeout_s: 60
-grace_seconds: {grace}
-backends:
-  local: {{type: local}}
-"""
-
-
-def config(command: str, code: str, artifacts: str = "model.json, metrics.json", grace: int = 5) -> str:
-    return TEMPLATE.format(command=command, code=code, artifacts=artifacts, grace=grace)
+from conftest import config_text
+from helpers import Background, alive, poll, sha256
 
 
 def use_trainer(project, name: str, source: str, artifacts: str, grace: int = 5) -> None:
     """Put a trainer script into the project and point tether.yaml at it."""
     (project.root / "demo" / name).write_text(source)
-    project.write_config(config("{python} demo/" + name, "demo/" + name, artifacts, grace))
+    project.write_config(config_text(command="{python} demo/" + name, code="demo/" + name, artifacts=artifacts,
+                                     grace=grace))
 
 
 # ---------------------------------------------------------------- helpers
-
-
-class Background:
-    """A `project.start(...)` process whose stdout/stderr are drained by threads (never a full pipe)."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        self.threads = [threading.Thread(target=self._drain, args=(name,), daemon=True)
-                        for name in self.chunks]
-        for thread in self.threads:
-            thread.start()
-
-    def _drain(self, name: str) -> None:
-        fd = getattr(self.proc, name).fileno()
-        while True:
-            data = os.read(fd, 65536)
-            if not data:
-                return
-            self.chunks[name].append(data)
-
-    def text(self, name: str) -> str:
-        return b"".join(self.chunks[name]).decode(errors="replace")
-
-    def killpg(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def finish(self, timeout: float = 60) -> int:
-        code = self.proc.wait(timeout=timeout)
-        for thread in self.threads:
-            thread.join(timeout=10)
-        return code
 
 
 def start(project, *args: str) -> Background:
@@ -111,14 +57,6 @@ def launches(project, run_id: str) -> int:
 def far_state(project, run_id: str) -> dict:
     path = project.remote_run(run_id) / "state.json"
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def far_listing(project, run_id: str) -> dict[str, str]:
@@ -159,24 +97,6 @@ def stamp(project, phase: str) -> bool:
     if phase == "up":
         return any((project.root / ".tether" / "backends").glob("local-*.json"))
     return bool(project.run_ids()) and (project.local_run() / f"{phase}.json").exists()
-
-
-def poll(predicate, timeout: float, what: str, interval: float = 0.001) -> None:
-    """`project.wait_for` with a finer grain, to catch windows of a few milliseconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie (nothing here reaps orphans, so zombies linger)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def processes_of_run(run_id: str, run_dir: Path, pgid: int) -> list[str]:
@@ -483,14 +403,14 @@ def test_stop_ends_the_trainer_and_all_its_children(project):
     state = far_state(project, run_id)
     children = next(e for e in project.events(run_id) if e.get("event") == "children")["pids"]
     pids = [state["pid"], state["pgid"], *children]
-    assert len(children) == 5 and all(process_alive(p) for p in pids)
+    assert len(children) == 5 and all(alive(p) for p in pids)
     run_dir = project.remote_run(run_id)
     assert processes_of_run(run_id, run_dir, state["pgid"])  # the scan does see the run
 
     stopped = project.doit("stop")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert f"{run_id}: stopped" in stopped.stdout, stopped.stdout
-    assert [p for p in pids if process_alive(p)] == []
+    assert [p for p in pids if alive(p)] == []
     assert processes_of_run(run_id, run_dir, state["pgid"]) == []
     assert far_state(project, run_id)["status"] == "stopped"
     assert (run_dir / "PULL_MANIFEST.json").exists()  # sealed: its files can come home

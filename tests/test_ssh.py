@@ -8,8 +8,8 @@ unknown or changed host key, closed or silent port); hostile run ids, remote_dir
 paths; GPU choice from replayed real nvidia-smi output (tests/data/nvidia-smi/SOURCES.md);
 secrets kept off command lines; size limits on pull; a venv for `packages:`; prune.
 
-Servers a test starts are stopped with `halt`, which also ends their established connections:
-SSHServer.stop() alone leaves them up (each connection's sshd runs in a session of its own).
+Servers a test starts are stopped with SSHServer.stop(), which also ends their established
+connections (each connection's sshd runs in a session of its own: tests/sshd.py finds and kills them).
 
 Every wait polls a condition against a deadline; nothing sleeps a fixed time.
 """
@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ssh_config_text
+from helpers import Background, poll, sha256, stop_leftover_runs
 from sshd import SSHServer, free_port, keygen
-from tether.remote import launcher
 
 DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
 
@@ -80,14 +80,6 @@ def out(done: subprocess.CompletedProcess) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def far_run(far: Path, run_id: str) -> Path:
@@ -171,29 +163,6 @@ def tree(root: Path) -> dict[str, tuple]:
     return found
 
 
-def stop_leftover_runs(remote_dir: Path) -> None:
-    """Stop any launcher or trainer still holding a run under remote_dir (the far side is this machine)."""
-    runs = Path(remote_dir) / "runs"
-    if runs.is_dir():
-        for run_dir in runs.iterdir():
-            if launcher.is_alive(str(run_dir)):
-                launcher.stop(str(run_dir), 1.0)
-
-
-def halt(server: SSHServer) -> None:
-    """Stop sshd and the connections it serves (SSHServer.stop ends established sessions too)."""
-    server.stop()
-
-
-def poll(predicate, timeout: float, what: str, interval: float = 0.002) -> None:
-    """`project.wait_for` with a finer grain, to catch windows of a few milliseconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 def command_lines() -> dict[int, bytes]:
     found = {}
     for entry in os.listdir("/proc"):
@@ -204,41 +173,6 @@ def command_lines() -> dict[int, bytes]:
             except OSError:
                 continue
     return found
-
-
-class Background:
-    """`project.start(...)`: doit in its own process group, stdout/stderr drained by threads."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        self.threads = [threading.Thread(target=self._drain, args=(name,), daemon=True) for name in self.chunks]
-        for thread in self.threads:
-            thread.start()
-
-    def _drain(self, name: str) -> None:
-        fd = getattr(self.proc, name).fileno()
-        while True:
-            data = os.read(fd, 65536)
-            if not data:
-                return
-            self.chunks[name].append(data)
-
-    def text(self, name: str = "stderr") -> str:
-        return b"".join(self.chunks[name]).decode(errors="replace")
-
-    def output(self) -> str:
-        return f"--- stdout\n{self.text('stdout')}\n--- stderr\n{self.text('stderr')}"
-
-    def kill(self) -> int:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        code = self.proc.wait(timeout=30)
-        for thread in self.threads:
-            thread.join(timeout=10)
-        return code
 
 
 @pytest.fixture
@@ -261,7 +195,7 @@ def servers():
 
     yield make
     for server in made:
-        halt(server)
+        server.stop()
 
 
 # ---------------------------------------------------------------- the whole life of a run
@@ -380,7 +314,7 @@ def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, 
         # probe, which watch retries (see test_event_reading_reports_a_lost_connection_as_a_backend_error
         # for a loss that surfaces in the events read right after it)
         poll(lambda: launcher_probes(far_run(far, run_id)), timeout=30, what="watch probing the run", interval=0.001)
-        halt(server)  # the listener and the connection watch is using
+        server.stop()  # the listener and the connection watch is using
         project.wait_for(lambda: "retrying" in bg.output() or bg.proc.poll() is not None, timeout=30,
                          what="watch noticing the lost connection")
         assert bg.proc.poll() is None, "watch gave up when sshd went away:\n" + bg.output()
@@ -430,7 +364,7 @@ def test_event_reading_reports_a_lost_connection_as_a_backend_error(servers, far
     fs.pipe_file(run.remote_file("events.jsonl"), b'{"event": "step", "step": 1}\n')
     reader = EventReader(backend, run)
     assert [e["step"] for e in reader.read()] == [1]
-    halt(server)
+    server.stop()
     with pytest.raises(BackendError):
         reader.read()
 
@@ -464,7 +398,8 @@ def test_sigkill_in_the_middle_of_a_large_push(project, sshd, far):
         bg = Background(project.start("run", "train"))
         try:
             poll(lambda: any(p.name.startswith(big_sha + ".tmp-") for p in partial_uploads(far))
-                 or bg.proc.poll() is not None, timeout=120, what="the big file's temporary object under objects/")
+                 or bg.proc.poll() is not None, timeout=120, what="the big file's temporary object under objects/",
+                 interval=0.002)
         finally:
             ended = bg.proc.poll()
             code = bg.kill()
@@ -697,7 +632,7 @@ def gpu_sshd(tmp_path_factory):
     script.chmod(0o755)
     server = SSHServer(base / "server", path_prepend=str(folder)).start()
     yield server
-    halt(server)
+    server.stop()
 
 
 def check_json(done: subprocess.CompletedProcess) -> dict:

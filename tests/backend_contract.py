@@ -175,6 +175,26 @@ class BackendContract:
     def go(self, backend, run: RunPaths) -> None:
         backend.filesystem().pipe_file(run.remote_file("go"), b"")
 
+    def complete_and_check_manifest(self, backend, run: RunPaths) -> None:
+        """Let a `--wait` run go: it completes, and its sealed manifest lists exactly what it wrote, each
+        entry true to the bytes on the far side."""
+        self.go(backend, run)
+        done = self.wait_status(backend, run, "completed")
+        assert done["state"]["exit_code"] == 0
+        assert done["sealed"] is True and done["final"] is True
+
+        fs = backend.filesystem()
+        manifest = json.loads(fs.cat_file(run.remote_file("PULL_MANIFEST.json")))
+        assert manifest["run_id"] == run.run_id and manifest["status"] == "completed"
+        listed = {f["path"] for f in manifest["files"]}
+        assert listed == {"run.json", "state.json", "events.jsonl", "train.log",
+                          "checkpoints/ckpt-000000000003.ckpt",
+                          "artifacts/model.json", "artifacts/eval/metrics.json"}
+        for entry in manifest["files"]:
+            data = fs.cat_file(run.remote_file(entry["path"]))
+            assert (len(data), sha256(data)) == (entry["bytes"], entry["sha256"]), entry["path"]
+        assert manifest["missing"] == ["never-*.bin"]
+
     # ------------------------------------------------------------ install, check, filesystem
 
     def test_install_launcher_copies_once_under_its_version(self, backend):
@@ -231,22 +251,7 @@ class BackendContract:
         live = backend.state(run)
         assert live["status"] == "running" and live["alive"] is True and live["sealed"] is False
         assert live["state"]["launcher_version"] == backend.version  # the shipped copy runs, not another
-        self.go(backend, run)
-        done = self.wait_status(backend, run, "completed")
-        assert done["state"]["exit_code"] == 0
-        assert done["sealed"] is True and done["final"] is True
-
-        fs = backend.filesystem()
-        manifest = json.loads(fs.cat_file(run.remote_file("PULL_MANIFEST.json")))
-        assert manifest["run_id"] == run.run_id and manifest["status"] == "completed"
-        listed = {f["path"] for f in manifest["files"]}
-        assert listed == {"run.json", "state.json", "events.jsonl", "train.log",
-                          "checkpoints/ckpt-000000000003.ckpt",
-                          "artifacts/model.json", "artifacts/eval/metrics.json"}
-        for entry in manifest["files"]:
-            data = fs.cat_file(run.remote_file(entry["path"]))
-            assert (len(data), sha256(data)) == (entry["bytes"], entry["sha256"]), entry["path"]
-        assert manifest["missing"] == ["never-*.bin"]
+        self.complete_and_check_manifest(backend, run)
 
     def test_launch_never_starts_a_running_or_finished_run_again(self, backend, make_run):
         run = make_run("--wait")

@@ -18,7 +18,7 @@ import pytest
 pytest.register_assert_rewrite("slurm_fixtures")
 pytest_plugins = ["slurm_fixtures"]  # the session's one cluster, shared with test_slurm.py
 
-from backend_contract import BackendContract, sha256, wait_for  # noqa: E402
+from backend_contract import BackendContract, wait_for  # noqa: E402
 from slurm_fixtures import new_remote_dir, remove_remote_dir, slurm_backend_config  # noqa: E402
 from tether.backends.slurm import Backend, Config  # noqa: E402
 
@@ -53,22 +53,7 @@ class TestSlurmBackend(BackendContract):
         assert live["job_id"] == job_id and live["queue"]["state"] == "RUNNING"
         assert live["state"]["attempt"] == 1
         assert live["state"]["launcher_version"] == backend.version  # the shipped copy runs, not another
-        self.go(backend, run)
-        done = self.wait_status(backend, run, "completed")
-        assert done["state"]["exit_code"] == 0
-        assert done["sealed"] is True and done["final"] is True
-
-        fs = backend.filesystem()
-        manifest = json.loads(fs.cat_file(run.remote_file("PULL_MANIFEST.json")))
-        assert manifest["run_id"] == run.run_id and manifest["status"] == "completed"
-        listed = {f["path"] for f in manifest["files"]}
-        assert listed == {"run.json", "state.json", "events.jsonl", "train.log",
-                          "checkpoints/ckpt-000000000003.ckpt",
-                          "artifacts/model.json", "artifacts/eval/metrics.json"}
-        for entry in manifest["files"]:
-            data = fs.cat_file(run.remote_file(entry["path"]))
-            assert (len(data), sha256(data)) == (entry["bytes"], entry["sha256"]), entry["path"]
-        assert manifest["missing"] == ["never-*.bin"]
+        self.complete_and_check_manifest(backend, run)
         scheduler = wait_for(lambda: "JobState=COMPLETED" in cluster.run("scontrol", "show", "job", "-o", job_id),
                              f"job {job_id} to be COMPLETED")
         assert scheduler

@@ -19,11 +19,11 @@ DEMO = REPO / "configs" / "demo"
 
 CONFIG = """\
 name: {name}
-backend: local
+backend: {backend_name}
 code:
   paths: [{code}]
 data:
-  paths: [demo/points.csv]
+  paths: [{data}]
 trainer:
   type: command
   command: "{command}"
@@ -32,16 +32,20 @@ checkpoint: {{keep: 3, every: 50}}
 heartbeat_timeout_s: 60
 grace_seconds: {grace}
 backends:
-  local: {{type: local}}
+  {backend_name}: {backend}
 """
 
 
 def config_text(name: str = "demo", epochs: int = 30, grace: float = 5, command: str | None = None,
-                code: str = "demo/train.py", artifacts: str = "model.json, metrics.json") -> str:
-    """The project's tether.yaml (backend local): the demo trainer for `epochs` unless `command` is given."""
+                code: str = "demo/train.py", data: str = "demo/points.csv",
+                artifacts: str = "model.json, metrics.json", backend_name: str = "local",
+                backend: str = "{type: local}") -> str:
+    """A tether.yaml for the project: the demo trainer for `epochs` unless `command` is given, on the
+    backend `backend_name` whose keys are `backend` (YAML flow text; JSON is YAML)."""
     if command is None:
         command = f"{{python}} demo/train.py --epochs {epochs}"
-    return CONFIG.format(name=name, grace=grace, command=command, code=code, artifacts=artifacts)
+    return CONFIG.format(name=name, grace=grace, command=command, code=code, data=data, artifacts=artifacts,
+                         backend_name=backend_name, backend=backend)
 
 
 class Project:
@@ -117,9 +121,8 @@ def sshd(tmp_path_factory):
 
 def ssh_config_text(server, remote_dir: Path, name: str = "demo", epochs: int = 30, **extra) -> str:
     """A tether.yaml whose backend `lab` is the given sshd (the demo trainer)."""
-    backend = json.dumps(server.backend_config(remote_dir, **extra))
-    return config_text(name=name, epochs=epochs).replace(
-        "backend: local", "backend: lab").replace("  local: {type: local}", f"  lab: {backend}")
+    return config_text(name=name, epochs=epochs, backend_name="lab",
+                       backend=json.dumps(server.backend_config(remote_dir, **extra)))
 
 
 @pytest.fixture

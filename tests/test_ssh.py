@@ -33,35 +33,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ssh_config_text
+from conftest import config_text, ssh_config_text
 from helpers import Background, poll, sha256, stop_leftover_runs
 from sshd import SSHServer, free_port, keygen
 
 DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
 
-JOB = """\
-name: demo
-backend: lab
-code:
-  paths: [{code}]
-data:
-  paths: [{data}]
-trainer:
-  type: command
-  command: "{command}"
-artifacts: [{artifacts}]
-checkpoint: {{keep: 3, every: 50}}
-heartbeat_timeout_s: 60
-grace_seconds: 5
-backends:
-  lab: {backend}
-"""
-
 
 def job_text(backend: dict, command: str = "{python} demo/train.py --epochs 30", code: str = "demo/train.py",
              data: str = "demo/points.csv", artifacts: str = "model.json, metrics.json") -> str:
     """A tether.yaml whose backend `lab` has exactly the keys in `backend` (JSON is YAML)."""
-    return JOB.format(command=command, code=code, data=data, artifacts=artifacts, backend=json.dumps(backend))
+    return config_text(command=command, code=code, data=data, artifacts=artifacts, backend_name="lab",
+                       backend=json.dumps(backend))
 
 
 def use_trainer(project, name: str, source: str, backend: dict, artifacts: str) -> None:

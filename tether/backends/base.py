@@ -124,8 +124,14 @@ class Backend:
         return posixpath.join(self.remote_dir, "tether", self.version)
 
     def launcher_bytes(self, command: str, *args: str, stdin: bytes = b"") -> bytes:
-        """Run one launcher command on the far side; its raw stdout."""
-        return self._execute([self.python, f"{self.version_dir}/tether/remote/launcher.py", command, *args], stdin)
+        """Run one launcher command on the far side; its raw stdout.
+
+        The launcher is stdlib only, so it starts with -S (no site-packages scan: a third off
+        every far-side command here); `check` alone looks for the trainer's packages.
+        """
+        flags = [] if command == "check" else ["-S"]
+        launcher = f"{self.version_dir}/tether/remote/launcher.py"
+        return self._execute([self.python, *flags, launcher, command, *args], stdin)
 
     def launcher(self, command: str, *args: str, stdin: bytes = b"") -> Any:
         """Run one launcher command on the far side and decode its JSON answer.

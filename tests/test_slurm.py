@@ -348,7 +348,7 @@ def test_job_script_for_two_nodes_exports_the_rendezvous(cluster, tmp_path, monk
 
     # the launcher starts one trainer per node through it
     monkeypatch.setenv("TETHER_SRUN", recorded["TETHER_SRUN"])
-    argv = launcher._trainer_command(run.remote_abs, {"argv": ["{python}", "train.py"]}, None)
+    argv = launcher._trainer_command({"argv": ["{python}", "train.py"]}, None)
     assert argv == ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "train.py"]
 
     single = job_script(Config(host="login", remote_dir="~/tether"), run, "/far/launcher.py", str(recorder))

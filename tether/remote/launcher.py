@@ -57,7 +57,7 @@ REQUEUE_EXIT = 99  # `run` under SLURM: "requeue this job, the restart policy wa
 VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _trainer_command(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
+def _trainer_command(spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
     argv = [sys.executable if a == "{python}" else a for a in spec["argv"]]
     if resume:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
@@ -183,7 +183,7 @@ def run(run_dir: str) -> int:
         pass
     attempt = int(state.get("attempt", 0)) + 1
     resume = _resume_point(run_dir, spec)
-    argv = _trainer_command(run_dir, spec, resume)
+    argv = _trainer_command(spec, resume)
     supervisor.grace_s = float(spec.get("grace_seconds", 30))
     with open(run_file(run_dir, "train.log"), "ab") as log:
         child = subprocess.Popen(

@@ -8,7 +8,6 @@ MinJobAge seconds) and from the job's own exit-code file.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from tether.remote.fileio import atomic_write, atomic_write_json, read_json
-from tether.remote.rundir import event
+from tether.remote.rundir import event, write_private
 
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING")
 ACTIVE = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
@@ -93,10 +92,7 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
                 return {"outcome": "error", "error": "squeue failed, so job %s may still run: try again" % known["job_id"]}
             if known["job_id"] in queued:
                 return {"outcome": "running", "job_id": known["job_id"], "flags": known.get("flags"), "state": state}
-        env = settings.get("env") or {}
-        fd = os.open(os.path.join(run_dir, "launch_env.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(env, f)
+        write_private(os.path.join(run_dir, "launch_env.json"), settings.get("env") or {})  # secrets: 0600
         script = os.path.join(run_dir, "job.sh")
         atomic_write(script, lambda f: f.write(settings["script"].encode()))
         flags = settings["flags"]

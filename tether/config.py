@@ -82,6 +82,7 @@ class Job:
     heartbeat_timeout_s: float = field(default=60.0, metadata=_check(lambda v: v > 0, "must be positive"))
     grace_seconds: float = field(default=30.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
     validation: Validation = Validation()
+    sweep: dict = field(default_factory=dict)  # setting -> list of values (tether.sweep)
     source: str = ""  # the YAML file this came from
     root: str = ""  # its folder: relative paths in the file start here
     warnings: tuple[str, ...] = ()
@@ -280,6 +281,9 @@ def load(path: str, backend: Optional[str] = None) -> Job:
         raise ConfigError(problems.errors or ["%s: error: the config is incomplete" % path])
     job = dataclasses.replace(job, trainer=trainer, backends=backends, backend=chosen,
                               source=os.path.abspath(path), root=root)
+    _check_sweep(job, document, problems)
+    if problems.errors:
+        raise ConfigError(problems.errors)
     _warn(job, document, problems)
     return dataclasses.replace(job, warnings=tuple(acknowledged(problems.warnings, job.validation.acknowledge, path)))
 
@@ -314,6 +318,38 @@ def _check_paths(job: Job, root: str, document: Any, problems: Problems) -> None
                                "or the files in" % (path, root))
             elif not os.path.exists(os.path.join(root, path)):
                 problems.error(at, "path %r does not exist (paths are relative to %s)" % (path, root))
+
+
+def _check_sweep(job: Job, document: Any, problems: Problems) -> None:
+    """The grid's keys suit the trainer, and every point is a valid trainer configuration."""
+    from tether import sweep
+
+    if "sweep" not in document:
+        return
+    at = problems.at(document, "sweep")
+    found = sweep.problems(job.sweep, job.trainer) if job.sweep else ["sweep: is empty; give a mapping of "
+                                                                      "setting -> list of values, or remove it"]
+    for message in found:
+        problems.error(at, message)
+    for point in sweep.points(job.sweep) if not found else ():
+        try:
+            trainer = sweep.job_for(job, point).trainer
+        except ConfigError as err:
+            for message in err.problems:
+                problems.error(at, f"point {point.label}: {message}")
+            return
+        for message in trainer.problems():
+            problems.error(at, f"point {point.label}: {message}")
+
+
+def replace_checked(section: Any, values: dict, where: str) -> Any:
+    """`section` with `values` replacing its fields, each checked as if the file had said it."""
+    problems = Problems(where)
+    merged = dict(asdict(section), **values)
+    rebuilt = build(type(section), merged, problems, where)
+    if problems.errors:
+        raise ConfigError([e.split(": error: ", 1)[-1] for e in problems.errors])
+    return rebuilt
 
 
 def _warn(job: Job, document: Any, problems: Problems) -> None:

@@ -201,6 +201,12 @@ class Backend:
         """Start the run detached; never a second copy of a live or finished run."""
         return self.launcher("start", run.remote_abs, stdin=json.dumps(self.settings()).encode())
 
+    launches_arrays = False  # True: a sweep's runs are launched together by launch_many
+
+    def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, dict]:
+        """Launch several runs (a sweep's points); a backend with job arrays submits them as one."""
+        return {run.run_id: self.launch(run) for run in runs}
+
     def fetch_policy(self, path: str, size: int) -> str:
         """'' to fetch a manifest file, else why it stays on the far side."""
         return ""

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from tether.backends import ssh
 from tether.errors import BackendError
 from tether.paths import RunPaths
+from tether.remote.scheduler import RUNS_LINE
 
 # The single source of truth for the keys that become #SBATCH lines: config key -> sbatch flag.
 SBATCH = {"partition": "--partition", "gres": "--gres", "time": "--time", "nice": "--nice",
@@ -55,6 +56,7 @@ class Config(ssh.Connection):
     poll_interval_s: float = 30.0
     exit_grace_s: float = 60.0
     job_name: str = "tether"  # the job is named <job_name>-<the run id's last 8 characters: its hash>
+    array_limit: Optional[int] = None  # a sweep's job array runs at most this many points at once
     signal_grace_s: int = 120
 
     def problems(self) -> list[str]:
@@ -76,6 +78,8 @@ class Config(ssh.Connection):
             found.append(f"poll_interval_s {self.poll_interval_s} is too small (at least 10 is kind to the scheduler)")
         if not re.fullmatch(r"[A-Za-z0-9._-]+", self.job_name):
             found.append(f"job_name {self.job_name!r}: use letters, digits and ._-")
+        if self.array_limit is not None and self.array_limit < 1:
+            found.append(f"array_limit {self.array_limit} must be at least 1 (or null: no limit)")
         if self.job_python and not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.job_python):
             found.append(f"job_python {self.job_python!r}: give an interpreter name or path")
         return found
@@ -94,8 +98,11 @@ class Config(ssh.Connection):
 
 def sbatch_lines(cfg: Config, run: RunPaths) -> list[str]:
     """The #SBATCH lines of a run's job.sh (tether's own flags, then the config's, then sbatch_options)."""
-    lines = [f"--job-name={cfg.job_name}-{run.run_id[-8:]}", f"--output={run.remote_abs}/slurm-%j.out",
-             f"--chdir={run.remote_abs}"]
+    return _sbatch_lines(cfg, f"{cfg.job_name}-{run.run_id[-8:]}", f"{run.remote_abs}/slurm-%j.out", run.remote_abs)
+
+
+def _sbatch_lines(cfg: Config, name: str, output: str, chdir: str) -> list[str]:
+    lines = [f"--job-name={name}", f"--output={output}", f"--chdir={chdir}"]
     for key, flag in SBATCH.items():
         value = getattr(cfg, key)
         if value is not None and not (key == "nodes" and value == 1):
@@ -106,22 +113,36 @@ def sbatch_lines(cfg: Config, run: RunPaths) -> list[str]:
 
 def job_script(cfg: Config, run: RunPaths, launcher: str, python: str) -> str:
     """job.sh: the prelude, then the launcher in the background with `wait`, so signals reach it."""
+    return _script(cfg, sbatch_lines(cfg, run), [f"run_dir={shlex.quote(run.remote_abs)}", "job_key=$SLURM_JOB_ID"],
+                   launcher, python)
+
+
+def array_script(cfg: Config, name: str, remote_dir: str, launcher: str, python: str) -> str:
+    """One job array for a sweep: element i runs the i-th run dir of the list that `submit-array`
+    writes in place of RUNS_LINE on the far side (only the runs that still need a job)."""
+    header = _sbatch_lines(cfg, f"{cfg.job_name}-{name}", f"{remote_dir}/slurm/%A_%a.out", remote_dir)
+    select = [RUNS_LINE, 'run_dir="${runs[$SLURM_ARRAY_TASK_ID]}"', 'cd "$run_dir" || exit 1',
+              'job_key="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # what squeue -r calls this element']
+    return _script(cfg, header, select, launcher, python)
+
+
+def _script(cfg: Config, header: list[str], select: list[str], launcher: str, python: str) -> str:
     q = shlex.quote
     multi_node = [
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_PORT=29500 WORLD_SIZE=$SLURM_NNODES NNODES=$SLURM_NNODES",
         'export TETHER_SRUN="srun --nodes=$SLURM_NNODES --ntasks-per-node=1"',
     ] if cfg.nodes > 1 else []
-    return "\n".join(["#!/bin/bash", *sbatch_lines(cfg, run), "", "# prelude (from the config)",
-                      *cfg.prelude, "", *multi_node,
+    return "\n".join(["#!/bin/bash", *header, "", "# prelude (from the config)",
+                      *cfg.prelude, "", *multi_node, *select,
                       "child=; early=",
                       "trap 'early=USR1; kill -USR1 $child 2>/dev/null' USR1  # the time-limit warning",
                       "trap 'early=TERM; kill -TERM $child 2>/dev/null' TERM  # scancel, preemption, requeue",
-                      f"{q(python)} {q(launcher)} run {q(run.remote_abs)} &",
+                      f'{q(python)} {q(launcher)} run "$run_dir" &',
                       "child=$!",
                       '[ -n "$early" ] && kill -$early $child  # a signal that came before the launcher',
                       "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done",
-                      f'echo "$code" > {q(run.remote_abs)}/exit_code.$SLURM_JOB_ID',
+                      'echo "$code" > "$run_dir/exit_code.$job_key"',
                       '[ "$code" = 99 ] && scontrol requeue "$SLURM_JOB_ID"  # the restart policy wants another attempt',
                       "exit $code", ""])
 
@@ -130,6 +151,7 @@ class Backend(ssh.Backend):
     """A SLURM cluster behind a login node."""
 
     type = "slurm"
+    launches_arrays = True  # a sweep is one job array, not one sbatch per point
 
     @property
     def job_python(self) -> str:
@@ -169,6 +191,22 @@ class Backend(ssh.Backend):
         if result["outcome"] == "started":
             print(f"{run.run_id}: SLURM job {result['job_id']} (sbatch {' '.join(result['flags'] or [])})")
         return dict(result, state=result.get("state") or {})
+
+    def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, dict]:
+        """One job array (`--array=0-K%array_limit`) for the runs that need a job; the others are adopted."""
+        script = array_script(self.config, name, self.remote_dir, f"{self.version_dir}/tether/remote/launcher.py",
+                              self.job_python)
+        flags = ["--parsable", f"--signal=B:USR1@{self.config.signal_grace_s}", "--requeue", f"--comment=tether:{name}"]
+        settings = dict(self.settings(), script=script, flags=flags, runs=[r.remote_abs for r in runs],
+                        array_limit=self.config.array_limit)
+        result = self.launcher("submit-array", self.remote_dir, stdin=json.dumps(settings).encode())
+        if result.get("outcome") == "error":
+            raise BackendError(f"{name}: {result['error']}")
+        if result.get("array_job"):
+            print(f"{name}: SLURM job array {result['array_job']} for {len(result['submitted'])} run(s) "
+                  f"(sbatch {' '.join(result['flags'])})")
+        return {r.run_id: dict(result["runs"][r.remote_abs], state=result["runs"][r.remote_abs].get("state") or {})
+                for r in runs}
 
     def stop(self, run: RunPaths, grace_s: float) -> dict:
         return self.launcher("cancel", run.remote_abs, str(grace_s))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import time
 from typing import Any, Optional
 
-from tether.errors import BackendError
+from tether import manifest
+from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
 from tether.pipelines.session import Session
 
@@ -63,13 +65,15 @@ def summary(s: Session, run: RunPaths, snap: dict) -> dict:
     reader.read()
     state = snap.get("state", {})
     step = reader.last.get("step", {})
+    epoch = {k: v for k, v in reader.last.get("epoch", {}).items()
+             if k not in ("event", "t", "step", "epoch") and isinstance(v, (int, float))}
     started, ended = state.get("started_at"), state.get("ended_at")
     elapsed = ((ended or snap.get("now") or time.time()) - started) if started else None
     return {"run_id": run.run_id, "status": snap["status"], "backend": s.job.backend,
             "host": state.get("host"), "step": step.get("step"), "loss": step.get("loss"),
             "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
-            "exit_code": state.get("exit_code"), "where": run.remote_abs}
+            "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch}
 
 
 def status(s: Session) -> None:
@@ -82,6 +86,47 @@ def status(s: Session) -> None:
     for key in ("step", "loss", "heartbeat_age_s", "elapsed_s", "restarts", "exit_code", "host", "where"):
         if info[key] is not None:
             print(f"  {key:16} {info[key]}")
+
+
+def sweep_status(s: Session) -> None:
+    """One line per sweep point (state, step, last loss and metric, verified here), then a summary;
+    every point's far-side state comes from one round trip."""
+    found = []
+    for point in s.points:
+        try:
+            found.append((point, point.observed()))
+        except RunError:
+            found.append((point, None))
+    runs = [run for _, run in found if run]
+    snaps = s.backend.states(runs) if runs else {}
+    rows = []
+    for point, run in found:
+        info = summary(point, run, snaps[run.run_id]) if run else {"run_id": None, "status": "not started"}
+        info.update(point=point.point.label, verified=bool(run) and manifest.still_verified(run))
+        rows.append(info)
+    counts = collections.Counter(r["status"] for r in rows)
+    verified = sum(r["verified"] for r in rows)
+    line = (f"{len(rows)} points: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
+            + f"; {verified} verified here")
+    if s.variables.get("json"):
+        print(json.dumps({"points": rows, "summary": line}, sort_keys=True))
+        return
+    width = max(len(r["point"]) for r in rows)
+    for r in rows:
+        print(f"{r['point']:{width}}  {_row(r)}")
+    print(line)
+
+
+def _row(r: dict) -> str:
+    parts = [r["status"]]
+    if r.get("step") is not None:
+        parts.append(f"step {r['step']}")
+    if isinstance(r.get("loss"), (int, float)):
+        parts.append(f"loss {r['loss']:.4g}")
+    parts += [f"{k} {v:.4g}" for k, v in sorted((r.get("metric") or {}).items())]
+    if r["verified"]:
+        parts.append("verified")
+    return "  ".join(parts) + (f"  {r['run_id']}" if r["run_id"] else "")
 
 
 def tail(s: Session, poll_s: float = 0.5) -> None:

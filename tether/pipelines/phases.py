@@ -60,7 +60,8 @@ def launch_done(s: Session) -> bool:
     if watch_done(s):
         return True
     snap = s.snapshot(run)
-    return snap["status"] == "running" or snap.get("final", False)
+    queued = snap["status"] == "pending" and snap.get("queue")  # waiting in the scheduler's queue
+    return snap["status"] == "running" or snap.get("final", False) or bool(queued)
 
 
 def watch_done(s: Session) -> bool:
@@ -144,11 +145,9 @@ def launch(s: Session) -> str:
     if snap["status"] == "running" or snap.get("final"):
         write_stamp(run, "launch", outcome="already " + snap["status"])
         return f"{run.run_id}: already {snap['status']}; not launched again"
-    if snap["status"] in ("absent", "pending"):
-        record = dict(s.record(run), artifacts=list(s.job.artifacts))  # the roster as of launch
-        atomic_write_json(run.run_json, record)
-        transfer.pipe_atomic(s.backend.filesystem(), run.remote_file("run.json"),
-                             json.dumps(record, indent=2, sort_keys=True).encode())
+    if s.backend.launches_arrays and s.siblings:
+        return _launch_array(s)
+    _record_launch(s, run, snap)
     result = s.backend.launch(run)
     if result["outcome"] == "error":
         log = tail_text(s.backend.filesystem(), run, "launcher.log")
@@ -158,6 +157,30 @@ def launch(s: Session) -> str:
     verb = {"started": "launched", "running": "already running", "finished": "already finished"}
     which = f"SLURM job {result['job_id']}" if result.get("job_id") else f"attempt {result['state'].get('attempt')}"
     return f"{run.run_id}: {verb[result['outcome']]} ({which})"
+
+
+def _record_launch(s: Session, run: RunPaths, snap: dict) -> None:
+    """run.json, here and on the far side, with the artifact roster as of launch."""
+    if snap["status"] in ("absent", "pending"):
+        record = dict(s.record(run), artifacts=list(s.job.artifacts))
+        atomic_write_json(run.run_json, record)
+        transfer.pipe_atomic(s.backend.filesystem(), run.remote_file("run.json"),
+                             json.dumps(record, indent=2, sort_keys=True).encode())
+
+
+def _launch_array(s: Session) -> str:
+    """Every pushed point of the sweep in one job array (the far side adopts what already has a job)."""
+    points = [p for p in s.siblings if p.current() and os.path.exists(p.current().stamp("push"))]
+    runs = [p.current() for p in points]
+    snaps = s.backend.states(runs)
+    for point, run in zip(points, runs):
+        _record_launch(point, run, snaps[run.run_id])
+    results = s.backend.launch_many(runs, s.job.name)
+    for point, run in zip(points, runs):
+        point.forget_snapshot(run)
+        write_stamp(run, "launch", outcome=results[run.run_id]["outcome"], job_id=results[run.run_id].get("job_id"))
+    mine = results[s.run().run_id]
+    return f"{s.run().run_id}: {mine['outcome']} (SLURM job {mine.get('job_id')})"
 
 
 def watch(s: Session, poll_min: float = 0.2) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tether import config as config_mod
+from tether import sweep
 from tether.backends import BACKEND_TYPES
 from tether.backends.base import Backend
 from tether.config import Job, asdict, suggest
@@ -51,6 +52,8 @@ class Session:
     backend: Backend
     state_dir: str
     variables: dict[str, str] = field(default_factory=dict)
+    point: Optional[sweep.Point] = None  # this session is one point of the job's sweep
+    siblings: list["Session"] = field(default_factory=list)  # every point's session, when it is
     _run: Optional[RunPaths] = None
 
     @classmethod
@@ -62,6 +65,24 @@ class Session:
         if variables.get("run") is not None:
             check_run_id(variables["run"])
         return cls(job, open_backend(job, state_dir), state_dir, variables)
+
+    @functools.cached_property
+    def points(self) -> list["Session"]:
+        """One session per point of the job's sweep ([] without one): they share the backend, the
+        hashed files and one cache of far-side snapshots, so a poll reads every point at once."""
+        if not self.job.sweep:
+            return []
+        found = [Session(sweep.job_for(self.job, p), self.backend, self.state_dir, self.variables, point=p)
+                 for p in sweep.points(self.job.sweep)]
+        shared: dict[str, dict] = {}
+        for one in found:
+            one.__dict__.update(entries=self.entries, _snapshots=shared)
+            one.siblings = found
+        return found
+
+    @property
+    def params(self) -> Optional[dict]:
+        return self.point.values if self.point else None
 
     # ------------------------------------------------------------ what this job is
 
@@ -81,6 +102,8 @@ class Session:
         spec.update(checkpoint_keep=self.job.checkpoint.keep, checkpoint_every=self.job.checkpoint.every,
                     grace_seconds=self.job.grace_seconds, trainer=asdict(self.job.trainer),
                     restart=asdict(self.job.restart))
+        if self.point:
+            spec["params"] = self.point.values
         return spec
 
     @functools.cached_property
@@ -109,7 +132,8 @@ class Session:
         folder = runs_dir(self.state_dir)
         for run_id in os.listdir(folder) if os.path.isdir(folder) else ():
             record = read_json(os.path.join(folder, run_id, "run.json"))
-            if record and record.get("config") == self.job.source and record.get("backend") == self.job.backend:
+            if (record and record.get("config") == self.job.source and record.get("backend") == self.job.backend
+                    and record.get("params") == self.params):
                 found.append(record)
         return sorted(found, key=lambda r: (r["created_at"], r["run_id"]))
 
@@ -172,10 +196,21 @@ class Session:
         return {}
 
     def snapshot(self, run: RunPaths, fresh: bool = False) -> dict:
-        """The far side's state of `run`, fetched once per invocation unless `fresh`."""
+        """The far side's state of `run`, fetched once per invocation unless `fresh`; in a sweep,
+        one round trip (one squeue on SLURM) also refreshes every other point still in flight."""
         if fresh or run.run_id not in self._snapshots:
-            self._snapshots[run.run_id] = self.backend.state(run)
+            others = [r for r in self.in_flight() if r.run_id != run.run_id]
+            self._snapshots.update(self.backend.states([run] + others))
         return self._snapshots[run.run_id]
+
+    def in_flight(self) -> list[RunPaths]:
+        """The sweep's runs that were launched and are not yet followed to their end."""
+        found = []
+        for sibling in self.siblings:
+            run = sibling.current()
+            if run and os.path.exists(run.stamp("launch")) and not os.path.exists(run.stamp("watch")):
+                found.append(run)
+        return found
 
     def forget_snapshot(self, run: RunPaths) -> None:
         self._snapshots.pop(run.run_id, None)

@@ -16,7 +16,7 @@ from doit.reporter import ConsoleReporter
 
 from tether import config as config_mod
 from tether.errors import ConfigError, TetherError
-from tether.pipelines import observe, phases, report
+from tether.pipelines import observe, phases, repro, report, results
 from tether.pipelines.session import Session, check_variables
 
 DOIT_CONFIG = {
@@ -68,18 +68,34 @@ def resume_hint(session: Session | None) -> str:
     return f"interrupted: nothing is lost.{where} Run the same command again to resume."
 
 
-def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable[[], dict]]:
-    """`task_*` functions for doit; `variables()` gives the command line's key=value words."""
+Opener = Callable[[], Session]
+
+
+def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable[[], Any]]:
+    """`task_*` functions for doit; `variables()` gives the command line's key=value words.
+
+    With a `sweep:` in the config, every per-run task has one sub-task per point
+    (`train:lr:0.001,seed:2`), and the plain name (`train`) runs them all.
+    """
 
     @functools.lru_cache(maxsize=1)
     def session() -> Session:
         return Session.open(variables())
 
-    def action(phase: Callable, *args: Any) -> Callable[[], Any]:
+    def points() -> list[Session]:
+        """The sweep's point sessions; [] without a sweep, with run=ID, or when the config does not
+        load (the task's action then reports the error in full)."""
+        try:
+            whole = session()
+        except TetherError:
+            return []
+        return [] if whole.variables.get("run") else whole.points
+
+    def action(opener: Opener, phase: Callable, *args: Any) -> Callable[[], Any]:
         def run() -> Any:
             opened = None
             try:
-                opened = session()
+                opened = opener()
                 message = phase(opened, *args)
                 if message:
                     print(message)
@@ -95,53 +111,96 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
             return None
         return run
 
-    def done(check: Callable[[Session], bool]) -> Callable[[], bool]:
+    def done(opener: Opener, check: Callable[[Session], bool]) -> Callable[[], bool]:
         def uptodate() -> bool:
             try:
-                return check(session())
+                return check(opener())
             except TetherError:
                 return False  # let the action run and report the error in full
         return uptodate
 
-    def forward(name: str, doc: str, **extra: Any) -> Callable[[], dict]:
-        index = FORWARD.index(name)
-        deps = [FORWARD[index - 1]] if index else []
-        check = getattr(phases, f"{name}_done")
-        return lambda: dict(doc=doc, actions=[action(getattr(phases, name))], uptodate=[done(check)],
-                            task_dep=deps, **extra)
+    def per_run(basename: str, doc: str, build: Callable[[Opener, str], dict]) -> Callable[[], Any]:
+        """A task of one run, or, for a sweep, one sub-task per point plus the group."""
+        def creator() -> Any:
+            found = points()
+            if not found:
+                return dict(build(session, ""), doc=doc)
+            return _subtasks(basename, doc, build, found)
+        return creator
 
-    def simple(doc: str, phase: Callable, *args: Any, **extra: Any) -> Callable[[], dict]:
-        return lambda: dict(doc=doc, actions=[action(phase, *args)], **extra)
+    def forward(name: str, **extra: Any) -> Callable[[Opener, str], dict]:
+        """push, launch or watch of one run: each depends on the one before, and push on `up`."""
+        before = FORWARD[FORWARD.index(name) - 1]
 
-    def down() -> dict:
+        def build(opener: Opener, label: str) -> dict:
+            dep = f"{before}:{label}" if label and before != "up" else before
+            if name == "launch" and label and opener().backend.launches_arrays:
+                dep = "push"  # one job array for every point: all of them are pushed first
+            return dict(actions=[action(opener, getattr(phases, name))],
+                        uptodate=[done(opener, getattr(phases, f"{name}_done"))], task_dep=[dep], **extra)
+        return build
+
+    def up() -> dict:
+        """`up` belongs to the backend; in a sweep it records the first point's run."""
+        opener = lambda: (points() or [session()])[0]  # noqa: E731
+        return dict(doc="preflight the backend and copy the launcher there", actions=[action(opener, phases.up)],
+                    uptodate=[done(opener, phases.up_done)])
+
+    def verified(phase: Callable) -> Callable[[Opener, str], dict]:
+        return lambda opener, label: dict(actions=[action(opener, phase)], uptodate=[done(opener, phases.pulled_done)])
+
+    def simple(phase: Callable, *args: Any, **extra: Any) -> Callable[[Opener, str], dict]:
+        return lambda opener, label: dict(actions=[action(opener, phase, *args)], **extra)
+
+    def train(opener: Opener, label: str) -> dict:
+        return dict(actions=[action(opener, phases.pull), action(opener, phases.verify)],
+                    uptodate=[done(opener, phases.pulled_done)], task_dep=[f"watch:{label}" if label else "watch"])
+
+    def down(opener: Opener, label: str) -> dict:
         confirm = lambda s: phases.down(s, s.variables.get("confirm") == "yes")  # noqa: E731
-        return dict(doc="remove the far-side run dir; refused until PULL_VERIFIED.json matches "
-                        "the far side's manifest (confirm=yes)", actions=[action(confirm)])
+        return dict(actions=[action(opener, confirm)])
+
+    def whole(doc: str, phase: Callable, sweep_phase: Callable, **extra: Any) -> Callable[[], dict]:
+        """A task that looks at one run, or at every point of a sweep at once."""
+        return lambda: dict(doc=doc, actions=[action(session, sweep_phase if points() else phase)], **extra)
 
     return {
-        "task_up": forward("up", "preflight the backend and copy the launcher there"),
-        "task_push": forward("push", "upload the code and data the far side lacks; freeze the code snapshot"),
-        "task_launch": forward("launch", "start the run detached (never twice)"),
-        "task_watch": forward("watch", "follow the run until it ends; Ctrl-C leaves it running",
-                              io={"capture": False}),
-        "task_pull": simple("bring the run's files home, as its manifest lists them", phases.pull,
-                            uptodate=[done(phases.pulled_done)]),
-        "task_verify": simple("check every pulled file against the manifest; write PULL_VERIFIED.json",
-                              phases.verify, uptodate=[done(phases.pulled_done)]),
-        "task_train": lambda: dict(doc="up, push, launch, watch, then pull and verify (the default)",
-                                   actions=[action(phases.pull), action(phases.verify)],
-                                   uptodate=[done(phases.pulled_done)], task_dep=["watch"]),
-        "task_down": down,
-        "task_status": simple("state, step, loss, heartbeat and place of a run (json=1)", observe.status),
-        "task_tail": simple("print the run's log, following it until the run ends", observe.tail,
-                            io={"capture": False}),
-        "task_stop": simple("SIGTERM the run, SIGKILL after grace_seconds, and say what happened", observe.stop),
-        "task_prune": simple("remove far-side objects that no run references (after `down`s)", observe.prune),
-        "task_report": simple("curves (PNG) and a Markdown summary from the verified files", report.report),
-        "task_check": simple("preflight the backend: could a run start there? (json=1)", observe.check),
+        "task_up": up,
+        "task_push": per_run("push", "upload the code and data the far side lacks; freeze the code snapshot",
+                             forward("push")),
+        "task_launch": per_run("launch", "start the run detached (never twice)", forward("launch")),
+        "task_watch": per_run("watch", "follow the run until it ends; Ctrl-C leaves it running",
+                              forward("watch", io={"capture": False})),
+        "task_pull": per_run("pull", "bring the run's files home, as its manifest lists them", verified(phases.pull)),
+        "task_verify": per_run("verify", "check every pulled file against the manifest; write PULL_VERIFIED.json",
+                               verified(phases.verify)),
+        "task_train": per_run("train", "up, push, launch, watch, then pull and verify (the default)", train),
+        "task_down": per_run("down", "remove the far-side run dir; refused until PULL_VERIFIED.json matches "
+                                     "the far side's manifest (confirm=yes)", down),
+        "task_status": whole("state, step, loss, heartbeat and place of a run, or of every sweep point (json=1)",
+                             observe.status, observe.sweep_status),
+        "task_tail": per_run("tail", "print the run's log, following it until the run ends",
+                             simple(observe.tail, io={"capture": False})),
+        "task_stop": per_run("stop", "SIGTERM the run, SIGKILL after grace_seconds, and say what happened",
+                             simple(observe.stop)),
+        "task_prune": lambda: dict(doc="remove far-side objects that no run references (after `down`s)",
+                                   actions=[action(session, observe.prune)]),
+        "task_report": whole("curves and a Markdown summary from the verified files; for a sweep, results.json, "
+                             "a table and a figure with error bars", report.report, results.report),
+        "task_check": lambda: dict(doc="preflight the backend: could a run start there? (json=1)",
+                                   actions=[action(session, observe.check)]),
+        "task_repro": lambda: dict(doc="re-run recorded runs (a run folder, results.json or its provenance "
+                                       "file) and compare: tether repro PATH [backend=NAME]",
+                                   actions=[functools.partial(repro.action, session)], pos_arg="paths"),
         "task_validate": lambda: dict(doc="report every config problem at once (strict=1: warnings fail too)",
                                       actions=[functools.partial(validate, variables)]),
     }
+
+
+def _subtasks(basename: str, doc: str, build: Callable[[Opener, str], dict], found: list[Session]) -> Any:
+    yield {"basename": basename, "name": None, "doc": doc}
+    for point in found:
+        yield dict(build(lambda point=point: point, point.point.label), basename=basename, name=point.point.label)
 
 
 def validate(variables: Callable[[], dict[str, str]]) -> Any:

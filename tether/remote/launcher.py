@@ -15,6 +15,7 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
     submit RUN_DIR          SLURM: write job.sh and sbatch it, once per run (settings on stdin)
+    submit-array REMOTE_DIR SLURM: one job array for the run dirs on stdin that need a job
     cancel RUN_DIR GRACE_S  SLURM: scancel --full --signal=TERM, then scancel; re-probe
 
 `start` reads its settings as JSON on stdin (extra environment, GPU choice): secrets never
@@ -409,6 +410,8 @@ def main(argv: List[str]) -> int:
         result = seal(args[0])
     elif command == "submit":
         result = scheduler.submit(args[0], json.loads(sys.stdin.read()))
+    elif command == "submit-array":
+        result = scheduler.submit_array(args[0], json.loads(sys.stdin.read()))
     elif command == "cancel":
         result = cancel(args[0], float(args[1]))
     elif command == "check":

@@ -101,7 +101,7 @@ def restart_allowed(status: str, spec: Dict[str, Any], attempt: int) -> bool:
 
 def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, List[str]]:
     """The files the manifest lists, and the declared artifacts that matched nothing."""
-    files = [n for n in ("run.json", "state.json", "events.jsonl", "train.log")
+    files = [n for n in ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
              if os.path.isfile(run_file(run_dir, n))]
     latest = latest_checkpoint(run_file(run_dir, "checkpoints"))
     if latest:

@@ -8,7 +8,9 @@ MinJobAge seconds) and from the job's own exit-code file.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -17,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from tether.remote.fileio import atomic_write, atomic_write_json, read_json
 from tether.remote.rundir import event, write_private
 
+RUNS_LINE = "runs=()  # filled in by submit-array"
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING")
 ACTIVE = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
 REASONS = {  # scontrol's JobState, in words
@@ -40,7 +43,7 @@ def queue(job_ids: List[str]) -> Optional[Dict[str, Dict[str, str]]]:
     if not job_ids:
         return {}
     try:
-        done = _run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"], timeout=30)
+        done = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"], timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0 and "Invalid job id" not in done.stderr:
@@ -100,13 +103,73 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         if done.returncode != 0:
             return {"outcome": "error", "error": "sbatch exited %d: %s" % (done.returncode, done.stderr.strip()[-500:])}
         job_id = done.stdout.strip().split(";")[0]
-        record = {"job_id": job_id, "flags": flags, "submitted_at": round(time.time(), 3),
-                  "jobs": known.get("jobs", []) + [job_id]}
-        atomic_write_json(os.path.join(run_dir, "slurm.json"), record)
-        event(run_dir, "submit", job_id=job_id, flags=flags)  # the run's log says which job and how
-        if state.get("status") in (None, "pending"):
-            atomic_write_json(os.path.join(run_dir, "state.json"), dict(state, status="pending", job_id=job_id))
+        _record_job(run_dir, job_id, flags, known, state)
         return {"outcome": "started", "job_id": job_id, "flags": flags, "state": state}
+
+
+def submit_array(remote_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """One job array for the runs in settings["runs"] that need a job (under each run's lock):
+    a finished run or one whose job is still queued is left alone, never submitted twice."""
+    run_dirs = sorted(set(settings["runs"]))
+    locks = [open(os.path.join(d, "submit.lock"), "w") for d in run_dirs]
+    try:
+        for lock in locks:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _submit_array(remote_dir, run_dirs, settings)
+    finally:
+        for lock in locks:
+            lock.close()
+
+
+def _submit_array(remote_dir: str, run_dirs: List[str], settings: Dict[str, Any]) -> Dict[str, Any]:
+    states = {d: read_json(os.path.join(d, "state.json")) or {} for d in run_dirs}
+    known = {d: read_json(os.path.join(d, "slurm.json")) or {} for d in run_dirs}
+    jobs = [k["job_id"] for d, k in known.items() if k.get("job_id") and not states[d].get("final")]
+    queued = queue(jobs)
+    if queued is None:  # cannot tell whether those jobs still run: never risk a second one
+        return {"outcome": "error", "error": "squeue failed, so jobs %s may still run: try again" % ", ".join(jobs)}
+    outcomes, todo = {}, []
+    for d in run_dirs:
+        job_id = known[d].get("job_id")
+        if states[d].get("final"):
+            outcomes[d] = {"outcome": "finished", "job_id": job_id, "state": states[d]}
+        elif job_id in queued:
+            outcomes[d] = {"outcome": "running", "job_id": job_id, "state": states[d]}
+        else:
+            todo.append(d)
+    result = {"outcome": "ok", "runs": outcomes, "submitted": todo, "array_job": None, "flags": []}
+    if not todo:
+        return result
+    folder = os.path.join(remote_dir, "slurm")
+    os.makedirs(folder, exist_ok=True)
+    listing = "runs=(%s)" % " ".join(shlex.quote(d) for d in todo)
+    script = settings["script"].replace(RUNS_LINE, listing)
+    path = os.path.join(folder, "array-%s.sh" % hashlib.sha256(script.encode()).hexdigest()[:16])
+    atomic_write(path, lambda f: f.write(script.encode()))
+    limit = settings.get("array_limit")
+    flags = settings["flags"] + ["--array=0-%d%s" % (len(todo) - 1, "%%%d" % limit if limit else "")]
+    for d in todo:
+        write_private(os.path.join(d, "launch_env.json"), settings.get("env") or {})  # secrets: 0600
+    done = _run(["sbatch"] + flags + [path])
+    if done.returncode != 0:
+        return {"outcome": "error", "error": "sbatch exited %d: %s" % (done.returncode, done.stderr.strip()[-500:])}
+    array_job = done.stdout.strip().split(";")[0]
+    for index, d in enumerate(todo):
+        job_id = "%s_%d" % (array_job, index)
+        _record_job(d, job_id, flags, known[d], states[d], array_job=array_job)
+        outcomes[d] = {"outcome": "started", "job_id": job_id, "state": states[d]}
+    return dict(result, array_job=array_job, flags=flags)
+
+
+def _record_job(run_dir: str, job_id: str, flags: List[str], known: Dict[str, Any], state: Dict[str, Any],
+                **extra: Any) -> None:
+    """slurm.json (which job runs this run), a `submit` event, and the state `pending` with the job."""
+    record = dict(extra, job_id=job_id, flags=flags, submitted_at=round(time.time(), 3),
+                  jobs=known.get("jobs", []) + [job_id])
+    atomic_write_json(os.path.join(run_dir, "slurm.json"), record)
+    event(run_dir, "submit", job_id=job_id, flags=flags)  # the run's log says which job and how
+    if state.get("status") in (None, "pending"):
+        atomic_write_json(os.path.join(run_dir, "state.json"), dict(state, status="pending", job_id=job_id))
 
 
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:

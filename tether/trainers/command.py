@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,22 @@ class Config:
         argv = shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
         return {"argv": argv, "resume_args": list(self.resume_args),
                 "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
+
+    def sweep_problems(self, keys: list[str]) -> list[str]:
+        """A swept key reaches the program as `{key}` in the command, e.g. --lr {lr}."""
+        text = self.command if isinstance(self.command, str) else " ".join(self.command)
+        return [f"sweep.{key}: write {{{key}}} into trainer.command (e.g. --{key} {{{key}}}) so the program "
+                f"gets the value" if key not in RESERVED else f"sweep.{key}: {{{key}}} is tether's own placeholder; "
+                f"rename the key" for key in keys if key in RESERVED or "{%s}" % key not in text]
+
+    def with_params(self, values: dict) -> "Config":
+        """This trainer with `{key}` in the command replaced by each swept value."""
+        def fill(text: str) -> str:
+            for key, value in values.items():
+                text = text.replace("{%s}" % key, str(value).lower() if isinstance(value, bool) else str(value))
+            return text
+        command = fill(self.command) if isinstance(self.command, str) else tuple(map(fill, self.command))
+        return dataclasses.replace(self, command=command)
 
     def problems(self) -> list[str]:
         """What is wrong with this section beyond types (empty when nothing is)."""

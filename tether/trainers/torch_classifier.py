@@ -18,6 +18,8 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("cosine", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("digits",)  # shipped inside scikit-learn: no download
+SWEEPABLE = ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "scheduler", "seed", "val_fraction",
+             "dataset", "threads")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class DataSource:
 @dataclass(frozen=True)
 class Config:
     """trainer: {type: torch-classifier, layers: [linear:64, relu, ...], epochs: 20, ...}"""
+
+    deterministic = True  # same seed, same bits: `repro` compares artifacts bit for bit
 
     type: str = "torch-classifier"
     dataset: str = "digits"
@@ -55,6 +59,16 @@ class Config:
     def launch_spec(self) -> dict:
         return {"argv": ["{python}", "-m", "tether.trainers.torch_classifier"], "resume_args": [],
                 "checkpoint_path": None, "env": {str(k): str(v) for k, v in self.env.items()}}
+
+    def sweep_problems(self, keys: list[str]) -> list[str]:
+        return [f"sweep.{key}: not a torch-classifier setting that can be swept; choose from {', '.join(SWEEPABLE)}"
+                for key in keys if key not in SWEEPABLE]
+
+    def with_params(self, values: dict) -> "Config":
+        """This trainer with the swept settings replaced (types checked like the file's own)."""
+        from tether.config import replace_checked
+
+        return replace_checked(self, values, "sweep")
 
     def problems(self) -> list[str]:
         found = [f"trainer.layers: unknown layer type {name!r} in {spec!r}; known: {', '.join(LAYERS)}"

@@ -1,0 +1,2 @@
+"""x"""
+def action(s, paths): pass

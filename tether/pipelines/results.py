@@ -1,0 +1,2 @@
+"""x"""
+def report(s): pass

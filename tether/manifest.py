@@ -77,6 +77,17 @@ def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
     `left`: files the pull left on the far side on purpose (size limits); they are recorded as
     remote-only instead of being required here.
     """
+    try:
+        verified = check(run, left)
+    except ManifestError:
+        _forget(run)
+        raise
+    atomic_write_json(run.verified, verified)
+    return verified
+
+
+def check(run: RunPaths, left: dict[str, str] | None = None) -> dict:
+    """What `verify` records, without writing anything; ManifestError naming every bad file."""
     manifest, manifest_sha = load(run)
     left = left or {}
     listed = {entry["path"]: entry for entry in manifest["files"] if entry["path"] not in left}
@@ -102,7 +113,6 @@ def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
         stat = os.stat(local)
         record[path] = [stat.st_size, stat.st_mtime_ns]
     if problems:
-        _forget(run)
         raise ManifestError(f"run {run.run_id} failed verification ({len(problems)} of "
                             f"{len(listed)} files): " + "; ".join(problems)
                             + f". `doit pull run={run.run_id}` fetches them again")
@@ -110,7 +120,6 @@ def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
                 "bytes": sum(e["bytes"] for e in listed.values()), "verified_at": round(time.time(), 3),
                 "missing_declared": manifest.get("missing", []), "remote_only": left,
                 "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0)}
-    atomic_write_json(run.verified, verified)
     return verified
 
 

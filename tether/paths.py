@@ -35,13 +35,14 @@ class RunPaths:
     run_id: str
     state_dir: str  # this machine's .tether folder (absolute)
     remote_dir: str  # the backend's remote_dir, absolute on the far side
+    folder: str = ""  # a run folder kept elsewhere (a recorded run that `repro` reads); default under state_dir
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
 
     @property
     def local(self) -> str:
-        return os.path.join(self.state_dir, "runs", self.run_id)
+        return self.folder or os.path.join(self.state_dir, "runs", self.run_id)
 
     @property
     def files(self) -> str:

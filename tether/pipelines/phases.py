@@ -115,6 +115,9 @@ def _upload_objects(s: Session, fs) -> tuple[list[str], int]:
     missing = s.backend.launcher("have", objects, stdin="\n".join(unique).encode())
     total = sum(unique[h].size for h in missing)
     small = [h for h in missing if unique[h].size <= transfer.SMALL]
+    gone = [unique[h].path for h in missing if not unique[h].local]
+    if gone:  # a reproduction counted on objects the far side had a moment ago
+        raise BackendError(f"{', '.join(gone)}: not here, and no longer on the far side: put the files back")
     with transfer.bar(total, "push") as progress:
         for group in transfer.batches(small, lambda h: unique[h].size):
             stored = s.backend.launcher("receive", objects, stdin=tar_bytes([(h, unique[h].local) for h in group]))

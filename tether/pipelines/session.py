@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import tether
 from tether import config as config_mod
 from tether import sweep
 from tether.backends import BACKEND_TYPES
@@ -27,7 +28,10 @@ from tether.hashing import Entry, HashCache, tree, tree_hash
 from tether.paths import RunPaths, check_run_id, mint_run_id, runs_dir
 from tether.remote.fileio import atomic_write_json, read_json
 
-VARIABLES = ("config", "backend", "run", "confirm", "json", "strict")
+VARIABLES = ("config", "backend", "run", "confirm", "json", "strict", "tolerance")
+# What run.json holds besides the launch spec (so the spec can be read back out of a record).
+RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_hash", "code_hash", "data_hash",
+                 "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of")
 
 
 def check_variables(variables: dict[str, str]) -> None:
@@ -54,6 +58,7 @@ class Session:
     variables: dict[str, str] = field(default_factory=dict)
     point: Optional[sweep.Point] = None  # this session is one point of the job's sweep
     siblings: list["Session"] = field(default_factory=list)  # every point's session, when it is
+    repro_of: Optional[str] = None  # this session re-runs that recorded run (tether.pipelines.repro)
     _run: Optional[RunPaths] = None
 
     @classmethod
@@ -119,6 +124,8 @@ class Session:
     def job_hash(self) -> str:
         parts = {"name": self.job.name, "backend": self.job.backend, **self.tree_hashes,
                  "launch": self.launch_spec}
+        if self.repro_of:
+            parts["repro_of"] = self.repro_of  # a reproduction is a run of its own, never the original
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     # ------------------------------------------------------------ which run
@@ -133,7 +140,7 @@ class Session:
         for run_id in os.listdir(folder) if os.path.isdir(folder) else ():
             record = read_json(os.path.join(folder, run_id, "run.json"))
             if (record and record.get("config") == self.job.source and record.get("backend") == self.job.backend
-                    and record.get("params") == self.params):
+                    and record.get("params") == self.params and record.get("repro_of") == self.repro_of):
                 found.append(record)
         return sorted(found, key=lambda r: (r["created_at"], r["run_id"]))
 
@@ -172,7 +179,10 @@ class Session:
                       backend=self.job.backend, backend_type=self.backend.type, job_hash=self.job_hash,
                       code_hash=self.tree_hashes["code"], data_hash=self.tree_hashes["data"],
                       artifacts=list(self.job.artifacts), created_at=round(time.time(), 3),
-                      created_on=socket.gethostname(), tether_version=self.backend.version)
+                      created_on=socket.gethostname(), tether_version=self.backend.version,
+                      tether_package=tether.__version__)
+        if self.repro_of:
+            record["repro_of"] = self.repro_of
         atomic_write_json(run.run_json, record)
         return run
 

@@ -191,7 +191,8 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                                    actions=[action(session, observe.check)]),
         "task_repro": lambda: dict(doc="re-run recorded runs (a run folder, results.json or its provenance "
                                        "file) and compare: tether repro PATH [backend=NAME]",
-                                   actions=[functools.partial(repro.action, session)], pos_arg="paths"),
+                                   actions=[lambda paths: action(session, repro.repro, paths)()], pos_arg="paths",
+                                   io={"capture": False}),
         "task_validate": lambda: dict(doc="report every config problem at once (strict=1: warnings fail too)",
                                       actions=[functools.partial(validate, variables)]),
     }

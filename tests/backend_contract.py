@@ -187,7 +187,7 @@ class BackendContract:
         manifest = json.loads(fs.cat_file(run.remote_file("PULL_MANIFEST.json")))
         assert manifest["run_id"] == run.run_id and manifest["status"] == "completed"
         listed = {f["path"] for f in manifest["files"]}
-        assert listed == {"run.json", "state.json", "events.jsonl", "train.log",
+        assert listed == {"run.json", "tree.json", "state.json", "events.jsonl", "train.log",
                           "checkpoints/ckpt-000000000003.ckpt",
                           "artifacts/model.json", "artifacts/eval/metrics.json"}
         for entry in manifest["files"]:

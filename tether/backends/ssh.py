@@ -89,6 +89,7 @@ class Backend(BaseBackend):
     def __init__(self, name: str, config: Config, state_dir: str) -> None:
         super().__init__(name, config, state_dir)
         self._fs: Any = None
+        self._pid = os.getpid()  # a connection belongs to the process that opened it
         self._remote_dir: Optional[str] = None
         self.commands = 0  # far-side commands this invocation (for --trace style reports)
 
@@ -111,7 +112,10 @@ class Backend(BaseBackend):
         return args
 
     def connect(self) -> Any:
-        """The SSHFileSystem, connected once per invocation (again after `reconnect`)."""
+        """The SSHFileSystem, connected once per process (again after `reconnect`): a worker of
+        `doit -n N -P process` opens its own, as a forked child cannot use its parent's."""
+        if self._pid != os.getpid():
+            self._fs, self._pid = None, os.getpid()
         if self._fs is None:
             from sshfs import SSHFileSystem
 

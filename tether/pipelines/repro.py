@@ -18,7 +18,7 @@ from tether import config as config_mod
 from tether import manifest
 from tether.config import Problems, Restart
 from tether.errors import ConfigError, RunError
-from tether.hashing import Entry, HashCache, tree_hash
+from tether.hashing import Entry, HashCache
 from tether.paths import RunPaths, check_run_id
 from tether.pipelines import phases
 from tether.pipelines.session import RECORD_FIELDS, Session

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Project, config_text
-from helpers import sha256
+from helpers import sha256, stop_leftover_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SWEEP_COMMAND = "{python} demo/train.py --epochs 2 --lr {lr} --seed {seed}"
@@ -57,7 +57,9 @@ def originals(project: Project) -> dict[str, str]:
 
 
 def launched(output: str) -> list[str]:
-    return re.findall(r"^(\S+): launched \(attempt \d+\)$", output, re.M)
+    """The run ids of "<id>: launched (attempt N)" lines (not anchored: parallel doit processes share
+    one stdout, so two such lines can run together)."""
+    return re.findall(r"([A-Za-z0-9._-]+-\d{8}T\d{6}Z-[0-9a-f]{8}): launched \(attempt \d+\)", output)
 
 
 def numbers(path: Path) -> dict:
@@ -402,7 +404,7 @@ def model_file(run: Path) -> Path:
     return model
 
 
-def test_repro_of_a_torch_run_in_a_fresh_copy_and_its_refusals(project, tmp_path):
+def test_repro_of_a_torch_run_in_a_fresh_copy_and_its_refusals(project, tmp_path, request):
     pytest.importorskip("torch", reason="the torch extra is part of the test install")
     (project.root / "dodo.py").unlink()  # the `tether` command needs none
     project.write_config(TORCH_SWEEP)
@@ -416,6 +418,7 @@ def test_repro_of_a_torch_run_in_a_fresh_copy_and_its_refusals(project, tmp_path
 
     # a fresh clone: the project's files, and the recorded run folder
     clone = Project(tmp_path / "clone")
+    request.addfinalizer(lambda: stop_leftover_runs(clone.root / ".tether" / "remote"))
     (clone.root / "demo").mkdir(parents=True)
     shutil.copy(project.root / "tether.yaml", clone.root / "tether.yaml")
     shutil.copy(project.root / "demo" / "train.py", clone.root / "demo" / "train.py")
@@ -425,7 +428,7 @@ def test_repro_of_a_torch_run_in_a_fresh_copy_and_its_refusals(project, tmp_path
     done = clone.tether("repro", path, "backend=local", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     (again,) = clone.run_ids()
-    assert (original, again, ) == REPRO_LINE.search(done.stdout).groups()[:2], done.stdout
+    assert (original, again) == REPRO_LINE.search(done.stdout).groups()[:2], done.stdout
     assert "bit-identical" in done.stdout and "reproduced: all 1 run(s), on backend local" in done.stdout
     record = records(clone)[again]
     assert record["repro_of"] == original and record["params"] == {"seed": 1}

@@ -58,7 +58,11 @@ def collect(s: Session) -> dict:
             excluded.append({"point": label, "run_id": run.run_id, "why": f"not verified here: `doit run train` "
                                                                           f"(or `doit pull verify run={run.run_id}`)"})
         else:
-            points.append(dict(point=label, params=point.point.values, run_id=run.run_id, **_verified_metrics(run)))
+            try:
+                points.append(dict(point=label, params=point.point.values, run_id=run.run_id,
+                                   **_verified_metrics(run)))
+            except RunError as err:
+                excluded.append({"point": label, "run_id": run.run_id, "why": str(err)})
     return {"format": 1, "name": s.job.name, "backend": s.job.backend, "config": os.path.basename(s.job.source),
             "sweep": {k: list(v) for k, v in s.job.sweep.items()}, "seed_key": SEED_KEY,
             "metrics_file": METRICS_FILE, "created_at": round(time.time(), 3), "points": points,

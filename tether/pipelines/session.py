@@ -168,7 +168,8 @@ class Session:
             return current
         runs = self.known_runs()
         if not runs:
-            raise RunError(f"no run of {self.job.source} on backend {self.job.backend} yet: "
+            point = f" (sweep point {self.point.label})" if self.point else ""
+            raise RunError(f"no run of {self.job.source}{point} on backend {self.job.backend} yet: "
                            f"start one with `doit run train`")
         return self.paths(runs[-1]["run_id"])
 

@@ -15,6 +15,7 @@ from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 
 from tether import config as config_mod
+from tether import sweep
 from tether.errors import ConfigError, TetherError
 from tether.pipelines import observe, phases, repro, report, results
 from tether.pipelines.session import Session, check_variables
@@ -220,5 +221,6 @@ def validate(variables: Callable[[], dict[str, str]]) -> Any:
     if job.warnings and found.get("strict") in ("1", "yes", "true"):
         return TaskFailed(f"{len(job.warnings)} warning(s) and strict=1: fix them or acknowledge them "
                           f"under validation: acknowledge:")
-    print(f"{job.source}: ok ({len(job.warnings)} warning(s)); backend {job.backend}")
+    points = f"; a sweep of {len(sweep.points(job.sweep))} points" if job.sweep else ""
+    print(f"{job.source}: ok ({len(job.warnings)} warning(s)); backend {job.backend}{points}")
     return None

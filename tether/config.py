@@ -331,6 +331,7 @@ def _check_sweep(job: Job, document: Any, problems: Problems) -> None:
                                                                       "setting -> list of values, or remove it"]
     for message in found:
         problems.error(at, message)
+    seen: dict[str, str] = {}
     for point in sweep.points(job.sweep) if not found else ():
         try:
             trainer = sweep.job_for(job, point).trainer
@@ -340,6 +341,10 @@ def _check_sweep(job: Job, document: Any, problems: Problems) -> None:
             return
         for message in trainer.problems():
             problems.error(at, f"point {point.label}: {message}")
+        same = seen.setdefault(repr(trainer), point.label)
+        if same != point.label:
+            problems.error(at, f"points {same} and {point.label} are the same trainer settings (e.g. 1 and 1.0): "
+                               f"list each value once")
 
 
 def replace_checked(section: Any, values: dict, where: str) -> Any:

@@ -82,8 +82,7 @@ def pulled_done(s: Session) -> bool:
 
 
 def up(s: Session) -> str:
-    """Preflight the backend and copy the launcher there (once per version)."""
-    run = s.run()
+    """Preflight the backend and copy the launcher there (once per version); no run is needed yet."""
     copied = s.backend.install_launcher()
     s.backend.prepare()
     report = s.backend.check(s.job.trainer.requires())
@@ -91,7 +90,7 @@ def up(s: Session) -> str:
         raise BackendError(report.text() + "\nfix the checks marked NO, then run `doit run train` again")
     atomic_write_json(up_stamp(s), {"slice": up_slice(s), "launcher": s.backend.version,
                                     "report": report.as_dict(), "at": round(time.time(), 3)})
-    return f"{run.run_id}: backend {s.job.backend} ready" + (" (launcher copied)" if copied else "")
+    return f"backend {s.job.backend} ready" + (" (launcher copied)" if copied else "")
 
 
 def push(s: Session) -> str:

@@ -18,11 +18,11 @@ from tether import config as config_mod
 from tether import manifest
 from tether.config import Problems, Restart
 from tether.errors import ConfigError, RunError
-from tether.hashing import Entry, HashCache
+from tether.hashing import Entry
 from tether.paths import RunPaths, check_run_id
 from tether.pipelines import phases
 from tether.pipelines.session import RECORD_FIELDS, Session
-from tether.remote.fileio import read_json
+from tether.remote.fileio import read_json, sha256_file
 from tether.sweep import Point
 from tether.trainers.registry import TRAINER_TYPES
 
@@ -170,11 +170,10 @@ def _trainer(section: dict) -> Any:
 
 def files_for(s: Session, recorded: Recorded) -> list[Entry]:
     """The recorded code and data, found here by hash; code must be here, data may be on the backend."""
-    cache = HashCache(os.path.join(s.state_dir, "hashcache.json"))
     entries, wrong, absent = [], [], {}
     for item in recorded.tree:
         local = os.path.join(s.job.root, *item["path"].split("/"))
-        found = cache.sha256(local, os.stat(local)) if os.path.isfile(local) else None
+        found = sha256_file(local)[0] if os.path.isfile(local) else None  # every byte: no timestamp is trusted
         if found == item["sha256"]:
             entries.append(Entry(item["root"], item["path"], local, found, os.path.getsize(local), item["mode"]))
         elif item["root"] == "code":
@@ -183,7 +182,6 @@ def files_for(s: Session, recorded: Recorded) -> list[Entry]:
         else:
             absent[item["sha256"]] = (item, found)
             entries.append(Entry(item["root"], item["path"], "", item["sha256"], 0, item["mode"]))
-    cache.save()
     if wrong:
         raise RunError(f"refusing to reproduce {recorded.run.run_id}: the code here is not its recorded snapshot "
                        f"(code sha256 {recorded.spec.get('code_hash')}): " + "; ".join(wrong)

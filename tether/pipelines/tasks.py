@@ -142,10 +142,9 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         return build
 
     def up() -> dict:
-        """`up` belongs to the backend; in a sweep it records the first point's run."""
-        opener = lambda: (points() or [session()])[0]  # noqa: E731
-        return dict(doc="preflight the backend and copy the launcher there", actions=[action(opener, phases.up)],
-                    uptodate=[done(opener, phases.up_done)])
+        """`up` belongs to the backend: one task for a whole sweep."""
+        return dict(doc="preflight the backend and copy the launcher there", actions=[action(session, phases.up)],
+                    uptodate=[done(session, phases.up_done)])
 
     def verified(phase: Callable) -> Callable[[Opener, str], dict]:
         return lambda opener, label: dict(actions=[action(opener, phase)], uptodate=[done(opener, phases.pulled_done)])

@@ -145,6 +145,7 @@ sweep:
     ("torch", "  epochs: [1, \"x\"]\n", "epochs", ["integer", "'x'"]),
     ("torch", "  layers: [3]\n", "layers", ["choose from", "lr", "seed", "epochs"]),
     ("torch", "  seed: [0, 1]\n  lr: [0.01, -1]\n", "lr", ["positive"]),
+    ("torch", "  lr: [1, 1.0]\n", "lr", ["same trainer settings", "lr:1 and lr:1.0"]),
 ])
 def test_a_bad_sweep_is_refused_with_its_file_and_line(project, trainer, sweep, key, words):
     from tether.config import load

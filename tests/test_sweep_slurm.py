@@ -187,7 +187,7 @@ def test_sweep_is_one_job_array_and_a_new_seed_is_one_more(project, cluster, rem
         assert fields["ArrayTaskThrottle"] == "2", fields  # array_limit: 2, as SLURM holds it
     for run_id in runs:
         assert len(named(far_events(remote, run_id), "launch")) == 1  # each point trained once
-    for run_id in runs:  # the verified files are the ones the far side sealed
+        # the verified files are the ones the far side sealed
         local = project.local_run(run_id) / "files" / "artifacts" / "model.json"
         assert sha256(local) == sha256(remote / "runs" / run_id / "artifacts" / "model.json")
     assert status_summary(project) == "6 points: 6 completed; 6 verified here"

@@ -172,13 +172,13 @@ def _record_launch(s: Session, run: RunPaths, snap: dict) -> None:
 
 def _launch_array(s: Session) -> str:
     """Every pushed point of the sweep in one job array (the far side adopts what already has a job)."""
-    points = [p for p in s.siblings if p.current() and os.path.exists(p.current().stamp("push"))]
-    runs = [p.current() for p in points]
-    snaps = s.backend.states(runs)
-    for point, run in zip(points, runs):
+    pushed = [(point, point.current()) for point in s.siblings]
+    pushed = [(point, run) for point, run in pushed if run and os.path.exists(run.stamp("push"))]
+    snaps = s.backend.states([run for _, run in pushed])
+    for point, run in pushed:
         _record_launch(point, run, snaps[run.run_id])
-    results = s.backend.launch_many(runs, s.job.name)
-    for point, run in zip(points, runs):
+    results = s.backend.launch_many([run for _, run in pushed], s.job.name)
+    for point, run in pushed:
         point.forget_snapshot(run)
         write_stamp(run, "launch", outcome=results[run.run_id]["outcome"], job_id=results[run.run_id].get("job_id"))
     mine = results[s.run().run_id]
@@ -193,7 +193,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     reader = EventReader(s.backend, run)
     poll_max = s.backend.poll_interval_s
     interval, lost_since, seen = poll_min, None, {}
-    with tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as progress:
+    with tqdm(desc=s.point.label if s.point else "train", unit="step", file=sys.stderr, dynamic_ncols=True) as progress:
         while True:
             try:
                 snap = s.snapshot(run, fresh=True)

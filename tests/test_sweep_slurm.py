@@ -355,3 +355,84 @@ def test_sweep_point_from_the_cluster_reproduces_locally_in_a_fresh_clone(projec
     assert "reproduced:" not in out, out
     assert clone.run_ids() == [new_id], "a refused reproduction started a run"
     assert [p.name for p in (clone.root / ".tether" / "remote" / "runs").iterdir()] == [new_id]
+
+
+# ---------------------------------------------------------------- 4. one element of the array requeued
+
+# Paced like PACED, but it checkpoints every 5 steps and on SIGTERM/SIGUSR1 (then exit 75), and
+# resumes from TETHER_RESUME_FROM: an element requeued mid-training must go on from its checkpoint.
+RESUMABLE = r'''
+import argparse, json, os, sys, time
+from tether.trainers import runtime
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float)
+parser.add_argument("--seed", type=int)
+parser.add_argument("--steps", type=int, default=60)
+args = parser.parse_args()
+stop = runtime.stop_signal()
+step = 0
+if runtime.resume_from():
+    with open(runtime.resume_from()) as f:
+        step = json.load(f)["step"]
+runtime.log("trainer-start", start=step, job=os.environ.get("SLURM_JOB_ID"))
+save = lambda: runtime.save_checkpoint(lambda f: f.write(json.dumps({"step": step}).encode()), step)
+while step < args.steps:
+    deadline = time.monotonic() + 0.1
+    while time.monotonic() < deadline and not stop.requested:
+        time.sleep(0.02)
+    if stop.requested:
+        save()
+        sys.exit(runtime.PREEMPTED_EXIT)
+    step += 1
+    runtime.log("step", step=step, total_steps=args.steps, loss=round(args.lr / step, 6))
+    if step % 5 == 0:
+        save()
+out = os.environ["TETHER_ARTIFACTS_DIR"]
+for name in ("model.json", "metrics.json"):
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"steps": step, "seed": args.seed, "lr": args.lr}, f)
+'''
+
+
+def test_an_array_element_requeued_mid_training_resumes_under_its_own_id(project, cluster, remote):
+    """`scontrol requeue A_1` while element 1 trains: it checkpoints, SLURM runs the same element
+    again, it resumes from its checkpoint, and the sweep finishes with no second sbatch."""
+    (project.root / "demo" / "resumable.py").write_text(RESUMABLE)
+    hpc = json.dumps(slurm_backend_config(cluster, remote))
+    project.write_config(SWEEP_JOB.format(name="rq", code="demo/resumable.py", ack=POLL_ACK, hpc=hpc, seeds="0",
+                                          command="{python} demo/resumable.py --lr {lr} --seed {seed}"))
+    before = submissions(cluster)
+    doit = project.start("run", "train")
+    try:
+        def element_one_training() -> str:
+            for run_id in project.run_ids():
+                job = far_json(remote, run_id, "slurm.json").get("job_id", "")
+                steps = named(far_events(remote, run_id), "step")
+                if job.endswith("_1") and steps and steps[-1]["step"] >= 10:
+                    return run_id
+            return ""
+        project.wait_for(element_one_training, 90, "element 1 of the array to pass step 10")
+        requeued = element_one_training()
+        job_id = far_json(remote, requeued, "slurm.json")["job_id"]
+        cluster.run("scontrol", "requeue", job_id)
+        out, err = doit.communicate(timeout=180)
+        assert doit.returncode == 0, out + err
+    finally:
+        if doit.poll() is None:
+            doit.kill()
+    assert len(submissions(cluster)[len(before):]) == 1, "the requeue must not submit anything"
+
+    events = far_events(remote, requeued)
+    launches = named(events, "launch")
+    assert [e["attempt"] for e in launches] == [1, 2], launches
+    assert launches[0]["resumed_from"] is None and Path(launches[1]["resumed_from"]).name.startswith("ckpt-")
+    (first_exit, _) = named(events, "exit")
+    assert (first_exit["status"], first_exit["exit_code"]) == ("preempted", 75), first_exit
+    starts = named(events, "trainer-start")
+    assert starts[0]["start"] == 0 and 0 < starts[1]["start"] < 60, starts  # went on from its checkpoint
+    assert far_json(remote, requeued, "slurm.json")["jobs"] == [job_id]  # the same element ran again
+    assert (remote / "runs" / requeued / f"exit_code.{job_id}").read_text().strip() == "0"
+    pulled = json.loads((project.local_run(requeued) / "files" / "artifacts" / "metrics.json").read_text())
+    assert pulled["steps"] == 60
+    assert status_summary(project) == "2 points: 2 completed; 2 verified here"

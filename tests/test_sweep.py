@@ -508,3 +508,22 @@ def test_repro_rehashes_code_changed_behind_its_timestamp(project):
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "demo/train.py" in refused.stderr and sha256(code) in refused.stderr, refused.stderr
     assert project.run_ids() == [run_id]
+
+
+def test_down_of_one_point_then_of_the_whole_sweep(project):
+    """`down:POINT` removes only that point's far-side run dir; plain `down` the rest, and says the
+    first one is already gone. The verified files stay here."""
+    use_sweep(project, "  lr: [0.1]\n  seed: [0, 1]\n")
+    project.doit("run", "train", check=True)
+    ids = {label(r["params"]): run_id for run_id, r in records(project).items()}
+    far = {point: project.remote_run(run_id) for point, run_id in ids.items()}
+    assert all(folder.is_dir() for folder in far.values())
+
+    one = project.doit("run", "down:lr:0.1,seed:0", "confirm=yes", check=True)
+    assert not far["lr:0.1,seed:0"].exists() and far["lr:0.1,seed:1"].is_dir(), one.stdout
+
+    rest = project.doit("run", "down", "confirm=yes", check=True)
+    assert not far["lr:0.1,seed:1"].exists(), rest.stdout
+    assert f"{ids['lr:0.1,seed:0']}: already removed" in rest.stdout, rest.stdout
+    for run_id in ids.values():
+        assert (project.local_run(run_id) / "files" / "artifacts" / "model.json").is_file()

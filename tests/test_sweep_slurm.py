@@ -46,31 +46,42 @@ backends:
   hpc: {hpc}
 """
 
-# A trainer paced by the clock (0.25 s a step) that takes the sweep's values; it checkpoints nothing
-# and stops at once on SIGTERM/SIGUSR1 (exit 75), so cancelling its job at the end is quick.
-PACED = r'''
+# A trainer paced by the clock (0.1 s a step) that takes the sweep's values; it checkpoints every 5
+# steps and on SIGTERM/SIGUSR1 (then exit 75), and resumes from TETHER_RESUME_FROM: an element
+# requeued mid-training must go on from its checkpoint.
+RESUMABLE = r'''
 import argparse, json, os, sys, time
 from tether.trainers import runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lr", type=float)
 parser.add_argument("--seed", type=int)
-parser.add_argument("--steps", type=int, default=400)
+parser.add_argument("--steps", type=int, default=60)
 args = parser.parse_args()
 stop = runtime.stop_signal()
-runtime.log("trainer-start", lr=args.lr, seed=args.seed, job=os.environ.get("SLURM_JOB_ID"))
-for step in range(1, args.steps + 1):
-    deadline = time.monotonic() + 0.25
+step = 0
+if runtime.resume_from():
+    with open(runtime.resume_from()) as f:
+        step = json.load(f)["step"]
+runtime.log("trainer-start", start=step, job=os.environ.get("SLURM_JOB_ID"))
+save = lambda: runtime.save_checkpoint(lambda f: f.write(json.dumps({"step": step}).encode()), step)
+while step < args.steps:
+    deadline = time.monotonic() + 0.1
     while time.monotonic() < deadline and not stop.requested:
         time.sleep(0.02)
     if stop.requested:
+        save()
         sys.exit(runtime.PREEMPTED_EXIT)
+    step += 1
     runtime.log("step", step=step, total_steps=args.steps, loss=round(args.lr / step, 6))
+    if step % 5 == 0:
+        save()
 out = os.environ["TETHER_ARTIFACTS_DIR"]
 for name in ("model.json", "metrics.json"):
     with open(os.path.join(out, name), "w") as f:
-        json.dump({"steps": args.steps, "seed": args.seed}, f)
+        json.dump({"steps": step, "seed": args.seed, "lr": args.lr}, f)
 '''
+
 
 TORCH_SWEEP = """\
 name: digits
@@ -106,6 +117,14 @@ def submissions(cluster) -> list[str]:
     """slurmctld's log line of every batch submission it has accepted so far (a job array is one)."""
     return [line for line in (cluster.base / "slurmctld.log").read_text(errors="replace").splitlines()
             if SUBMIT_LINE in line]
+
+
+def train_counting_submissions(project: Project, cluster, timeout: float):
+    """`doit run train` (which must succeed) and the sbatch submissions it made."""
+    before = submissions(cluster)
+    done = project.doit("run", "train", timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done, submissions(cluster)[len(before):]
 
 
 def far_json(remote: Path, run_id: str, name: str) -> dict:
@@ -156,10 +175,7 @@ def test_sweep_is_one_job_array_and_a_new_seed_is_one_more(project, cluster, rem
                      command="{python} demo/train.py --epochs 3 --lr {lr} --seed {seed}")
     project.write_config(SWEEP_JOB.format(seeds="0, 1, 2", **sweep_job))
 
-    before = submissions(cluster)
-    trained = project.doit("run", "train", timeout=150)
-    assert trained.returncode == 0, trained.stdout + trained.stderr
-    submitted = submissions(cluster)[len(before):]
+    trained, submitted = train_counting_submissions(project, cluster, 150)
     assert len(submitted) == 1, f"a 2 x 3 sweep must be ONE sbatch (a job array): {submitted}"
 
     runs = params_of(project)
@@ -195,10 +211,7 @@ def test_sweep_is_one_job_array_and_a_new_seed_is_one_more(project, cluster, rem
     # a fourth seed: only its two points are trained, as one more (two-element) array
     first_records = records
     project.write_config(SWEEP_JOB.format(seeds="0, 1, 2, 3", **sweep_job))
-    before = submissions(cluster)
-    again = project.doit("run", "train", timeout=120)
-    assert again.returncode == 0, again.stdout + again.stderr
-    submitted = submissions(cluster)[len(before):]
+    again, submitted = train_counting_submissions(project, cluster, 120)
     assert len(submitted) == 1, f"the two new points must be ONE more sbatch: {submitted}"
     now = params_of(project)
     new = {run_id: p for run_id, p in now.items() if run_id not in runs}
@@ -246,10 +259,10 @@ def squeue_calls(log: Path) -> list[str]:
 def test_one_poll_of_a_sweep_is_one_command_and_one_squeue(project, cluster, remote, logged_login):
     from tether.pipelines.session import Session
 
-    (project.root / "demo" / "paced.py").write_text(PACED)
+    (project.root / "demo" / "paced.py").write_text(RESUMABLE)
     hpc = json.dumps(slurm_backend_config(logged_login, remote))  # no array_limit: the node decides
     project.write_config(SWEEP_JOB.format(name="poll", code="demo/paced.py", seeds="0, 1, 2", ack=POLL_ACK, hpc=hpc,
-                                          command="{python} demo/paced.py --lr {lr} --seed {seed}"))
+                                          command="{python} demo/paced.py --lr {lr} --seed {seed} --steps 1000"))
     before = submissions(cluster)
     launched = project.doit("run", "launch", timeout=120)
     assert launched.returncode == 0, launched.stdout + launched.stderr
@@ -358,42 +371,6 @@ def test_sweep_point_from_the_cluster_reproduces_locally_in_a_fresh_clone(projec
 
 
 # ---------------------------------------------------------------- 4. one element of the array requeued
-
-# Paced like PACED, but it checkpoints every 5 steps and on SIGTERM/SIGUSR1 (then exit 75), and
-# resumes from TETHER_RESUME_FROM: an element requeued mid-training must go on from its checkpoint.
-RESUMABLE = r'''
-import argparse, json, os, sys, time
-from tether.trainers import runtime
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--lr", type=float)
-parser.add_argument("--seed", type=int)
-parser.add_argument("--steps", type=int, default=60)
-args = parser.parse_args()
-stop = runtime.stop_signal()
-step = 0
-if runtime.resume_from():
-    with open(runtime.resume_from()) as f:
-        step = json.load(f)["step"]
-runtime.log("trainer-start", start=step, job=os.environ.get("SLURM_JOB_ID"))
-save = lambda: runtime.save_checkpoint(lambda f: f.write(json.dumps({"step": step}).encode()), step)
-while step < args.steps:
-    deadline = time.monotonic() + 0.1
-    while time.monotonic() < deadline and not stop.requested:
-        time.sleep(0.02)
-    if stop.requested:
-        save()
-        sys.exit(runtime.PREEMPTED_EXIT)
-    step += 1
-    runtime.log("step", step=step, total_steps=args.steps, loss=round(args.lr / step, 6))
-    if step % 5 == 0:
-        save()
-out = os.environ["TETHER_ARTIFACTS_DIR"]
-for name in ("model.json", "metrics.json"):
-    with open(os.path.join(out, name), "w") as f:
-        json.dump({"steps": step, "seed": args.seed, "lr": args.lr}, f)
-'''
-
 
 def test_an_array_element_requeued_mid_training_resumes_under_its_own_id(project, cluster, remote):
     """`scontrol requeue A_1` while element 1 trains: it checkpoints, SLURM runs the same element

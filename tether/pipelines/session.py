@@ -1,9 +1,10 @@
 """One invocation's view: the job, its backend, and which run each task works on.
 
 The run is resolved lazily, when a task first asks: `run=ID` if given; else the run this exact
-job (code + data + run config + backend) already has; else, for `push` and later phases, a newly minted id, and
-for observers (`pull`, `status`, ...), the latest run of this config and backend. Because `push`
-records the run before anything is sent, every later phase of the same `train` finds it.
+job (code + data + run config + backend) already has; else, for `push` and later phases, a newly
+minted id, and for observers (`pull`, `status`, ...), the latest run of this config and backend.
+Because `push` records the run before anything is sent, every later phase of `train` finds it.
+A sweep has one Session per point (`points`), sharing the backend and the far-side snapshots.
 """
 
 from __future__ import annotations

@@ -259,8 +259,11 @@ def parse_yaml(path: str) -> Any:
     return document
 
 
-def load(path: str, backend: Optional[str] = None) -> Job:
-    """Read, check and freeze the job in `path`; `backend` (from the command line) wins over the file's."""
+def load(path: str, backend: Optional[str] = None, files: bool = True) -> Job:
+    """Read, check and freeze the job in `path`; `backend` (from the command line) wins over the file's.
+
+    `files=False` skips the checks of the code and data files (`repro` brings its own, by hash).
+    """
     document = parse_yaml(path)
     problems = Problems(path)
     trainer, backends = _sections(document, problems)
@@ -272,7 +275,7 @@ def load(path: str, backend: Optional[str] = None) -> Job:
                        % (chosen, suggest(chosen, backends), ", ".join(sorted(backends)))
                        if chosen else "several backends are defined: name one with backend: or backend=NAME")
     root = os.path.dirname(os.path.abspath(path))
-    if job is not None:
+    if job is not None and files:
         _check_paths(job, root, document, problems)
         if trainer is not None and hasattr(trainer, "check_files"):
             for message in trainer.check_files(root, job.data.paths):

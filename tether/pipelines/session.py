@@ -63,10 +63,11 @@ class Session:
     _run: Optional[RunPaths] = None
 
     @classmethod
-    def open(cls, variables: dict[str, str], cwd: str = ".") -> "Session":
+    def open(cls, variables: dict[str, str], cwd: str = ".", files: bool = True) -> "Session":
+        """The session of the config the variables name; `files=False`: its code and data may be absent."""
         check_variables(variables)
         path = variables.get("config") or config_mod.default_path(cwd)
-        job = config_mod.load(path, variables.get("backend") or None)
+        job = config_mod.load(path, variables.get("backend") or None, files)
         state_dir = os.path.abspath(os.path.join(cwd, ".tether"))
         if variables.get("run") is not None:
             check_run_id(variables["run"])

@@ -83,6 +83,10 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
     def session() -> Session:
         return Session.open(variables())
 
+    def recorded() -> Session:
+        """For `repro`: the config gives the backends; the code and data come from the record."""
+        return Session.open(variables(), files=False)
+
     def points() -> list[Session]:
         """The sweep's point sessions; [] without a sweep, with run=ID, or when the config does not
         load (the task's action then reports the error in full)."""
@@ -191,7 +195,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                                    actions=[action(session, observe.check)]),
         "task_repro": lambda: dict(doc="re-run recorded runs (a run folder, results.json or its provenance "
                                        "file) and compare: tether repro PATH [backend=NAME]",
-                                   actions=[lambda paths: action(session, repro.repro, paths)()], pos_arg="paths",
+                                   actions=[lambda paths: action(recorded, repro.repro, paths)()], pos_arg="paths",
                                    io={"capture": False}),
         "task_validate": lambda: dict(doc="report every config problem at once (strict=1: warnings fail too)",
                                       actions=[functools.partial(validate, variables)]),

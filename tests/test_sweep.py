@@ -527,3 +527,32 @@ def test_down_of_one_point_then_of_the_whole_sweep(project):
     assert f"{ids['lr:0.1,seed:0']}: already removed" in rest.stdout, rest.stdout
     for run_id in ids.values():
         assert (project.local_run(run_id) / "files" / "artifacts" / "model.json").is_file()
+
+
+def test_sweep_killed_mid_way_resumes_every_point_once(project):
+    """SIGKILL of `doit run train` once two of three points are launched: the same command again
+    follows what runs, starts what did not, and launches no point twice."""
+    import signal
+
+    use_sweep(project, "  lr: [0.1]\n  seed: [0, 1, 2]\n",
+              command="{python} demo/train.py --epochs 150 --lr {lr} --seed {seed}")
+    doit = project.start("run", "train")
+    try:
+        def second_point_training() -> bool:
+            launched_here = [r for r in project.run_ids() if (project.local_run(r) / "launch.json").exists()]
+            return len(launched_here) >= 2
+        project.wait_for(lambda: second_point_training() or doit.poll() is not None, 120, "a second point launched")
+        assert doit.poll() is None, "the sweep ended before it could be interrupted: give the points more epochs"
+        os.killpg(doit.pid, signal.SIGKILL)
+        doit.wait(timeout=30)
+    finally:
+        if doit.poll() is None:
+            os.killpg(doit.pid, signal.SIGKILL)
+    project.doit("run", "train", timeout=180, check=True)
+    runs = originals(project)
+    assert sorted(runs) == ["lr:0.1,seed:0", "lr:0.1,seed:1", "lr:0.1,seed:2"], runs
+    for run_id in runs.values():
+        events = project.events(run_id)
+        assert [e["attempt"] for e in events if e.get("event") == "launch"] == [1], (run_id, events[:3])
+        assert (project.local_run(run_id) / "PULL_VERIFIED.json").is_file()
+    stop_leftover_runs(project.root / ".tether" / "remote")

@@ -64,6 +64,7 @@ def collect(s: Session) -> dict:
             except RunError as err:
                 excluded.append({"point": label, "run_id": run.run_id, "why": str(err)})
     return {"format": 1, "name": s.job.name, "backend": s.job.backend, "config": os.path.basename(s.job.source),
+            "config_sha256": sha256_file(s.job.source)[0], "tether_version": s.backend.version,
             "sweep": {k: list(v) for k, v in s.job.sweep.items()}, "seed_key": SEED_KEY,
             "metrics_file": METRICS_FILE, "created_at": round(time.time(), 3), "points": points,
             "excluded": excluded}

@@ -88,3 +88,27 @@ def test_bad_paths_and_tolerances_are_refused(project):
     cited = project.tether("repro", str(results))
     assert cited.returncode == 1 and "is not the run those results came from" in cited.stderr, cited.stderr
     assert len(project.run_ids()) == 1  # nothing ran
+
+
+def test_a_manifest_rewritten_to_match_changed_results_is_refused(project):
+    """Changing a result and its manifest entry together still fails: PULL_VERIFIED.json carries the
+    SHA-256 of the manifest that was verified when the run came home."""
+    import hashlib
+
+    run_id = train_one(project)
+    folder = project.local_run(run_id)
+    metrics = folder / "files" / "artifacts" / "metrics.json"
+    metrics.write_text(json.dumps({"accuracy": 0.999, "steps": 750}))
+    listed = json.loads((folder / "PULL_MANIFEST.json").read_text())
+    for entry in listed["files"]:
+        if entry["path"] == "artifacts/metrics.json":
+            entry.update(bytes=metrics.stat().st_size, sha256=hashlib.sha256(metrics.read_bytes()).hexdigest())
+    (folder / "PULL_MANIFEST.json").write_text(json.dumps(listed))
+    verified = json.loads((folder / "PULL_VERIFIED.json").read_text())
+    verified["files"]["artifacts/metrics.json"] = [metrics.stat().st_size, metrics.stat().st_mtime_ns]
+    (folder / "PULL_VERIFIED.json").write_text(json.dumps(verified))
+
+    done = project.tether("repro", f".tether/runs/{run_id}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "is not the one its PULL_VERIFIED.json verified" in done.stderr, done.stderr
+    assert len(project.run_ids()) == 1

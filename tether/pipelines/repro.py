@@ -79,6 +79,8 @@ def find(path: str, state_dir: str) -> list[Recorded]:
         raise RunError(f"{path}: not a run folder, a results.json or a results.provenance.json")
     found = []
     for entry in listed:
+        if not isinstance(entry, dict) or not entry.get("run_id") or not entry.get("manifest_sha256"):
+            raise RunError(f"{path}: an entry without run_id and manifest_sha256: {entry!r}")
         recorded = load(_locate(path, check_run_id(entry["run_id"]), state_dir))
         cited = entry["manifest_sha256"]
         if recorded.manifest["sha256"] != cited:
@@ -117,6 +119,10 @@ def load(folder: str) -> Recorded:
     if tree is None:
         raise RunError(f"{run.run_id} has no tree.json (recorded by an older tether): its code cannot be checked")
     listed, digest = manifest.load(run)
+    verified = read_json(run.verified) or {}
+    if verified.get("manifest_sha256", digest) != digest:
+        raise RunError(f"refusing to reproduce {run.run_id}: its PULL_MANIFEST.json (sha256 {digest}) is not the "
+                       f"one its PULL_VERIFIED.json verified ({verified['manifest_sha256']})")
     return Recorded(run, spec, tree["files"], dict(listed, sha256=digest))
 
 

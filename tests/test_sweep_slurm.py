@@ -313,6 +313,12 @@ def test_one_poll_of_a_sweep_is_one_command_and_one_squeue(project, cluster, rem
     for other in points:
         other.snapshot(other.current())  # cached: no round trip
     assert s.backend.commands == commands
+
+    # status names each point's job and the scheduler's state (two CPUs: some wait for resources)
+    status = json.loads(project.doit("status", "json=1", check=True).stdout.strip().splitlines()[-1])
+    for row in status["points"]:
+        job = records[row["run_id"]]["job_id"]
+        assert row["queue"].startswith(f"job {job} ") and row["queue"].split()[2] in ("RUNNING", "PENDING"), row
     # the `remote` fixture cancels the array's jobs (their working folder is the remote dir)
 
 

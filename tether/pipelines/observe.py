@@ -73,7 +73,17 @@ def summary(s: Session, run: RunPaths, snap: dict) -> dict:
             "host": state.get("host"), "step": step.get("step"), "loss": step.get("loss"),
             "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
-            "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch}
+            "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
+            "queue": _queue_text(snap)}
+
+
+def _queue_text(snap: dict) -> Optional[str]:
+    """The scheduler's view, e.g. `job 12_3 PENDING (JobArrayTaskLimit)`; None off a scheduler."""
+    queue = snap.get("queue")
+    if not queue:
+        return None
+    reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
+    return f"job {snap.get('job_id')} {queue['state']}{reason}"
 
 
 def status(s: Session) -> None:
@@ -83,7 +93,7 @@ def status(s: Session) -> None:
         print(json.dumps(info, sort_keys=True))
         return
     print(f"{info['run_id']}: {info['status']}")
-    for key in ("step", "loss", "heartbeat_age_s", "elapsed_s", "restarts", "exit_code", "host", "where"):
+    for key in ("queue", "step", "loss", "heartbeat_age_s", "elapsed_s", "restarts", "exit_code", "host", "where"):
         if info[key] is not None:
             print(f"  {key:16} {info[key]}")
 
@@ -118,7 +128,7 @@ def sweep_status(s: Session) -> None:
 
 
 def _row(r: dict) -> str:
-    parts = [r["status"]]
+    parts = [r["status"]] + ([r["queue"]] if r.get("queue") else [])
     if r.get("step") is not None:
         parts.append(f"step {r['step']}")
     if isinstance(r.get("loss"), (int, float)):

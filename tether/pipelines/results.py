@@ -40,7 +40,8 @@ def report(s: Session) -> str:
     figure = os.path.join(folder, "results.png")
     plot(results, figure)
     atomic_write_json(os.path.join(folder, "results.provenance.json"), provenance(results, path, table, figure))
-    left = f"; left out (not verified): {', '.join(e['point'] for e in results['excluded'])}" if results["excluded"] else ""
+    names = ", ".join(e["point"] for e in results["excluded"])
+    left = f"; left out (not verified): {names}" if names else ""
     return (f"{s.job.name}: {len(results['points'])} verified points in {folder} (results.json, results.md, "
             f"results.png, results.provenance.json){left}")
 

@@ -556,3 +556,35 @@ def test_sweep_killed_mid_way_resumes_every_point_once(project):
         assert [e["attempt"] for e in events if e.get("event") == "launch"] == [1], (run_id, events[:3])
         assert (project.local_run(run_id) / "PULL_VERIFIED.json").is_file()
     stop_leftover_runs(project.root / ".tether" / "remote")
+
+
+FLAKY = """\
+import json, os, sys
+seed = int(sys.argv[1])
+if seed == 1:
+    print("diverged: loss is NaN", flush=True)
+    sys.exit(3)
+for name in ("model.json", "metrics.json"):
+    with open(os.path.join(os.environ["TETHER_ARTIFACTS_DIR"], name), "w") as f:
+        json.dump({"accuracy": 0.9 + seed / 100}, f)
+"""
+
+
+def test_a_failed_point_with_continue_leaves_the_others_trained_and_is_left_out(project):
+    """`doit run --continue train`: the failing point is reported (exit 1, not doit's 2 for "an
+    error"), every other point is trained and verified, status and report name the failed one."""
+    (project.root / "demo" / "flaky.py").write_text(FLAKY)
+    project.write_config(config_text(command="{python} demo/flaky.py {seed}", code="demo/flaky.py")
+                         + "restart: {policy: never}\nsweep:\n  seed: [0, 1, 2]\n")
+    done = project.doit("run", "--continue", "train", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: watch:seed:1: run " in done.stderr and "diverged: loss is NaN" in done.stderr, done.stderr
+    assert "skipped: train:seed:1, because watch:seed:1 failed" in done.stderr, done.stderr
+
+    rows = {p["point"]: p for p in json.loads(project.doit("status", "json=1", check=True).stdout.split("\n", 1)[1])["points"]}
+    assert {k: (v["status"], v["verified"]) for k, v in rows.items()} == {
+        "seed:0": ("completed", True), "seed:1": ("failed", False), "seed:2": ("completed", True)}
+    project.doit("report", check=True)
+    results = json.loads((project.root / ".tether" / "reports" / "demo-local" / "results.json").read_text())
+    assert [p["point"] for p in results["points"]] == ["seed:0", "seed:2"]
+    assert [(e["point"], e["run_id"]) for e in results["excluded"]] == [("seed:1", rows["seed:1"]["run_id"])]

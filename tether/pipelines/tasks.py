@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any, Callable
 
-from doit.exceptions import TaskFailed
+from doit.exceptions import TaskFailed, UnmetDependency
 from doit.reporter import ConsoleReporter
 
 from tether import config as config_mod
@@ -30,12 +30,20 @@ DOIT_CONFIG = {
 FORWARD = ("up", "push", "launch", "watch")  # each depends on the one before
 
 
+class SkippedAfterFailure(TaskFailed):
+    """A task doit did not run because a task it depends on failed (reported already)."""
+
+
 class Reporter(ConsoleReporter):
     """doit's console output, with a failure shown as tether's one message instead of a dump."""
 
     def add_failure(self, task: Any, fail: Any) -> None:
         self.failures.append({"task": task, "exception": fail})
         message = getattr(fail, "message", "") or fail.get_msg()
+        if isinstance(fail, UnmetDependency):  # with --continue: a task after one that failed
+            sys.stderr.write(f"skipped: {task.name}, because {message.strip()} failed\n")
+            fail.__class__ = SkippedAfterFailure  # doit would exit 2 ("a bug"); it is that failure: exit 1
+            return
         sys.stderr.write(f"error: {task.name}: {message.strip()}\n")
 
     def complete_run(self) -> None:

@@ -28,11 +28,6 @@ class Point:
         """`lr:0.001,seed:2`, the doit sub-task name (doit forbids '=' in task names)."""
         return ",".join(f"{key}:{_text(value)}" for key, value in self.params)
 
-    @property
-    def setting(self) -> dict[str, Any]:
-        """The point without its seed: the group its results are averaged in."""
-        return {k: v for k, v in self.params if k != SEED_KEY}
-
 
 def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)

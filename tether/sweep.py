@@ -26,10 +26,11 @@ class Point:
     @property
     def label(self) -> str:
         """`lr:0.001,seed:2`, the doit sub-task name (doit forbids '=' in task names)."""
-        return ",".join(f"{key}:{_text(value)}" for key, value in self.params)
+        return ",".join(f"{key}:{value_text(value)}" for key, value in self.params)
 
 
-def _text(value: Any) -> str:
+def value_text(value: Any) -> str:
+    """A swept value as it is written into task names and commands (booleans as true/false)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -58,9 +59,9 @@ def problems(grid: dict[str, Any], trainer: Any) -> list[str]:
             found.append(f"sweep.{key}: give a non-empty list of values, e.g. {key}: [1, 2]")
         elif any(isinstance(v, (dict, list)) or v is None for v in values):
             found.append(f"sweep.{key}: values must be numbers, strings or booleans")
-        elif len(set(map(_text, values))) != len(values):
+        elif len(set(map(value_text, values))) != len(values):
             found.append(f"sweep.{key}: a value is listed twice")
-        elif not all(VALUE_RE.fullmatch(_text(v)) for v in values):
+        elif not all(VALUE_RE.fullmatch(value_text(v)) for v in values):
             found.append(f"sweep.{key}: values may use letters, digits and ._+- only (they name doit tasks)")
     if found or trainer is None:
         return found

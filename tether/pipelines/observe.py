@@ -74,16 +74,18 @@ def summary(s: Session, run: RunPaths, snap: dict) -> dict:
             "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
             "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
-            "queue": _queue_text(snap)}
+            "queue": queue_text(snap)}
 
 
-def _queue_text(snap: dict) -> Optional[str]:
-    """The scheduler's view, e.g. `job 12_3 PENDING (JobArrayTaskLimit)`; None off a scheduler."""
+def queue_text(snap: dict) -> Optional[str]:
+    """The scheduler's view, e.g. `job 12_3 PENDING (Priority)` or `job 12 RUNNING on node07`;
+    None off a scheduler."""
     queue = snap.get("queue")
     if not queue:
         return None
     reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
-    return f"job {snap.get('job_id')} {queue['state']}{reason}"
+    text = f"RUNNING on {queue['nodes']}" if queue["state"] == "RUNNING" else f"{queue['state']}{reason}"
+    return f"job {snap.get('job_id')} {text}"
 
 
 def status(s: Session) -> None:

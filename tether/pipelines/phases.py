@@ -17,7 +17,7 @@ from tether.config import asdict
 from tether.errors import BackendError, ManifestError, RunError
 from tether.paths import RunPaths
 from tether.pipelines import transfer
-from tether.pipelines.observe import EventReader, tail_text
+from tether.pipelines.observe import EventReader, queue_text, tail_text
 from tether.pipelines.session import Session
 from tether.remote.fileio import atomic_write_json, read_json, tar_bytes
 from tether.remote.rundir import restart_allowed
@@ -242,14 +242,10 @@ def _show(progress, reader: EventReader, events: list[dict]) -> None:
 
 def _show_queue(progress, run: RunPaths, snap: dict, seen: dict) -> None:
     """Print each change of the scheduler's view: PENDING (Priority), RUNNING on node07, ..."""
-    queue = snap.get("queue")
-    if not queue:
-        return
-    reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
-    text = f"RUNNING on {queue['nodes']}" if queue["state"] == "RUNNING" else f"{queue['state']}{reason}"
-    if seen.get("queue") != text:
+    text = queue_text(snap)
+    if text and seen.get("queue") != text:
         seen["queue"] = text
-        progress.write(f"{run.run_id}: job {snap.get('job_id')} {text}", file=sys.stderr)
+        progress.write(f"{run.run_id}: {text}", file=sys.stderr)
 
 
 def _settled(s: Session, snap: dict, seen: dict) -> bool:

@@ -44,9 +44,11 @@ class Config:
 
     def with_params(self, values: dict) -> "Config":
         """This trainer with `{key}` in the command replaced by each swept value."""
+        from tether.sweep import value_text
+
         def fill(text: str) -> str:
             for key, value in values.items():
-                text = text.replace("{%s}" % key, str(value).lower() if isinstance(value, bool) else str(value))
+                text = text.replace("{%s}" % key, value_text(value))
             return text
         command = fill(self.command) if isinstance(self.command, str) else tuple(map(fill, self.command))
         return dataclasses.replace(self, command=command)

@@ -241,21 +241,41 @@ class Backend:
 
 
 def _gpu_items(report: Report, found: dict, settings: dict) -> None:
-    """The GPU lines of a preflight: what is there, which one a run would get, torch's kernels."""
+    """The GPU lines of a preflight: what is there, which one a run would get, torch's kernels per GPU."""
     if settings.get("gpus", "none") == "none":
         return
     if "gpu_error" in found:
         report.add("gpu", False, found["gpu_error"])
         return
     if not found.get("gpus"):
-        report.add("gpu", True, "no GPU found (nvidia-smi absent or empty): the trainer runs on the CPU")
+        why = found.get("no_gpu") or "nvidia-smi absent or empty"
+        report.add("gpu", True, f"no usable GPU ({why}): the trainer runs on the CPU")
         return
-    listed = "; ".join(f"{g['index']}: {g['name']}, {g['memory_free_mb']}/{g['memory_total_mb']} MB free, "
-                       f"{g['utilization_pct']}% busy" for g in found["gpus"])
+    listed = "; ".join(_gpu_text(g) for g in found["gpus"])
     report.add("gpu", True, f"{listed}; a run gets CUDA_VISIBLE_DEVICES={found['gpu_env'].get('CUDA_VISIBLE_DEVICES')}")
     torch = found.get("torch")
-    if torch and torch.get("torch"):
-        bad = torch.get("unsupported", [])
-        report.add("torch kernels", not bad, f"torch {torch['torch']} (CUDA {torch['cuda']}) lacks kernels for "
-                   f"{', '.join(bad)}: install a torch build for these GPUs" if bad else
-                   f"torch {torch['torch']} has kernels for these GPUs")
+    if torch and torch.get("torch") and "gpus" in torch:
+        _torch_item(report, torch)
+
+
+def _gpu_text(g: dict) -> str:
+    """One GPU as the preflight shows it; nvidia-smi's [N/A] reads as unknown."""
+    free, total, util = g["memory_free_mb"], g["memory_total_mb"], g["utilization_pct"]
+    memory = f"{free}/{total} MB free" if free is not None and total is not None else "free memory unknown ([N/A])"
+    busy = f"{util}% busy" if util is not None else "utilization unknown"
+    return f"{g['index']}: {g['name']}, {memory}, {busy}"
+
+
+def _torch_item(report: Report, torch: dict) -> None:
+    """torch's kernels: GPUs without them are skipped and named; the host is refused only if no GPU has them."""
+    lacking = [v for v in torch["gpus"] if not v["ok"]]
+    skipped = "; ".join(f"{v['index']} ({v['capability']}): {v['reason']}" for v in lacking)
+    head = f"torch {torch['torch']} (CUDA {torch['cuda']})"
+    if len(lacking) == len(torch["gpus"]):
+        report.add("torch kernels", False, f"{head} has kernels for no GPU here: {skipped}; install a torch "
+                   f"build for these GPUs (pytorch.org/get-started), or set gpus: none to train on the CPU")
+    elif lacking:
+        report.add("torch kernels", True, f"{head} has kernels for GPU(s) {', '.join(str(i) for i in torch['usable'])}; "
+                   f"skipped: {skipped}")
+    else:
+        report.add("torch kernels", True, f"{head} has kernels for these GPUs")

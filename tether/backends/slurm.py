@@ -7,7 +7,9 @@ attempt checkpoints, and the job requeues itself while the restart policy allows
 
 from __future__ import annotations
 
+import difflib
 import json
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass
@@ -21,7 +23,48 @@ from tether.remote.scheduler import RUNS_LINE
 # The single source of truth for the keys that become #SBATCH lines: config key -> sbatch flag.
 SBATCH = {"partition": "--partition", "gres": "--gres", "time": "--time", "nice": "--nice",
           "cpus_per_task": "--cpus-per-task", "mem": "--mem", "nodes": "--nodes"}
-OWN_FLAGS = ("--output", "--chdir", "--job-name", "--parsable", "-o", "-D", "-J")  # tether sets these
+# sbatch's own option table (Slurm 22.05.8), as its getopt_long sees it: the long names from
+#   for c in a b c d e g h i m n o p q r s t u v w; do sbatch --$c=1; done   ("is ambiguous; possibilities: ...")
+# (plus --job-name, --kill-on-invalid-dep and --licenses, the only names under j, k and l), and each one's
+# argument from `sbatch --NAME=1` ("doesn't allow an argument") and a bare `sbatch --NAME` ("requires an
+# argument"); the short options from `sbatch -X` for every letter and digit, mapped to long ones by
+# `sbatch --help`. Data, not a run-time call: the laptop that validates a config has no sbatch.
+SBATCH_NO_ARG = frozenset(
+    "contiguous help hold ignore-pbs no-requeue overcommit oversubscribe parsable quiet reboot requeue spread-job "
+    "test-only usage use-min-nodes verbose version wait".split())
+SBATCH_OPTIONAL_ARG = frozenset("exclusive get-user-env nice no-kill propagate".split())  # only as --name=value
+SBATCH_REQUIRED_ARG = frozenset(
+    "account acctg-freq array batch bb bbf begin chdir cluster cluster-constraint clusters comment constraint "
+    "container context core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline delay-boot "
+    "dependency distribution error exclude export export-file extra-node-info gid gpu-bind gpu-freq gpus "
+    "gpus-per-node gpus-per-socket gpus-per-task gres gres-flags hint input job-name kill-on-invalid-dep licenses "
+    "mail-type mail-user mcs-label mem mem-bind mem-per-cpu mem-per-gpu mincpus network nodefile nodelist nodes "
+    "ntasks ntasks-per-core ntasks-per-gpu ntasks-per-node ntasks-per-socket ntasks-per-tres open-mode output "
+    "partition power prefer priority profile qos reservation signal sockets-per-node switches tasks-per-node "
+    "thread-spec threads-per-core time time-min tmp uid wait-all-nodes wckey wrap".split())
+SBATCH_LONG = sorted(SBATCH_NO_ARG | SBATCH_OPTIONAL_ARG | SBATCH_REQUIRED_ARG)
+SBATCH_SHORT = {  # -k takes an optional attached value, like --no-kill; the others as their long option
+    "A": "account", "B": "extra-node-info", "C": "constraint", "D": "chdir", "F": "nodefile", "G": "gpus",
+    "H": "hold", "J": "job-name", "L": "licenses", "M": "clusters", "N": "nodes", "O": "overcommit", "Q": "quiet",
+    "S": "core-spec", "V": "version", "W": "wait", "a": "array", "b": "begin", "c": "cpus-per-task",
+    "d": "dependency", "e": "error", "h": "help", "i": "input", "k": "no-kill", "m": "distribution", "n": "ntasks",
+    "o": "output", "p": "partition", "q": "qos", "s": "oversubscribe", "t": "time", "v": "verbose", "w": "nodelist",
+    "x": "exclude"}
+# What tether sets itself, by sbatch's long name, and what to do instead. The first four are #SBATCH
+# lines of every job.sh; the next are flags of tether's own sbatch call (a command-line flag silently
+# beats an #SBATCH line); the rest are config keys (a later #SBATCH line silently beats an earlier one).
+OWN_OPTIONS = {
+    "output": "remove it: the job writes <run dir>/slurm-%j.out, where tether reads it",
+    "chdir": "remove it: the job starts in its run dir",
+    "job-name": "set job_name: instead",
+    "parsable": "remove it: tether submits with --parsable to read the job id",
+    "signal": "set signal_grace_s: instead",
+    "requeue": "remove it: the restart policy (policy:, max_restarts:) decides requeues",
+    "no-requeue": "remove it: the restart policy (policy:, max_restarts:) decides requeues",
+    "comment": "remove it: tether tags its jobs with --comment=tether:<run id> to find them",
+    "array": "remove it: a sweep is one job array; set array_limit: to cap it",
+    **{flag[2:]: f"set {key}: instead" for key, flag in SBATCH.items()},
+}
 TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$|^(\d+)$")
 LONG_JOB_S = 6 * 3600
 
@@ -35,6 +78,80 @@ def time_seconds(value: str) -> Optional[int]:
     if plain:
         return int(plain) * 60
     return ((int(days or 0) * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds)
+
+
+def _long_name(given: str) -> tuple[Optional[str], str]:
+    """sbatch's long option for `--NAME` the way getopt_long reads it (an exact name, or the one name
+    this prefix starts); (None, why not) for an unknown or ambiguous one."""
+    if given in SBATCH_LONG:
+        return given, ""
+    matches = [name for name in SBATCH_LONG if name.startswith(given)]
+    if len(matches) == 1:
+        return matches[0], ""
+    if matches:
+        return None, f"is ambiguous: sbatch reads it as one of --{', --'.join(matches)}; write the option in full"
+    close = difflib.get_close_matches(given, SBATCH_LONG, n=3)
+    hint = f"did you mean --{', --'.join(close)}?" if close else "see `sbatch --help`"
+    return None, f"is not an sbatch option ({hint})"
+
+
+def sbatch_words(options: tuple[str, ...]) -> tuple[list[tuple[str, str, Optional[str]]], list[str]]:
+    """sbatch_options as sbatch resolves them: ([(as given, long name, value)], [problems]).
+
+    Long options by unambiguous prefix, `--name=value` or `--name value`; short ones alone, bunched
+    (`-Hv`) or with a value attached (`-D/`, `-ofile`) or apart (`-o file`), as getopt_long does."""
+    words = [word for option in options for word in option.split()]
+    found: list[tuple[str, str, Optional[str]]] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(words):
+        word, i = words[i], i + 1
+        if word.startswith("--") and word != "--":
+            given, eq, value = word[2:].partition("=")
+            name, why = _long_name(given)
+            if name is None:
+                problems.append(f"sbatch_options: {word!r} {why}")
+                continue
+            if not eq and name in SBATCH_REQUIRED_ARG and i < len(words):
+                value, i, eq, word = words[i], i + 1, "=", f"{word} {words[i]}"
+            found.append((word, name, value if eq else None))
+        elif word.startswith("-") and len(word) > 1 and word != "--":
+            for j, letter in enumerate(word[1:], start=2):
+                name = SBATCH_SHORT.get(letter)
+                if name is None:
+                    problems.append(f"sbatch_options: {word!r}: -{letter} is not an sbatch option (see `sbatch --help`)")
+                    break
+                if name in SBATCH_NO_ARG:
+                    found.append((word, name, None))
+                    continue
+                value = word[j:] or None
+                if value is None and name in SBATCH_REQUIRED_ARG and i < len(words):
+                    value, i, word = words[i], i + 1, f"{word} {words[i]}"
+                found.append((word, name, value))
+                break
+        else:
+            problems.append(f"sbatch_options: {word!r} is not an option: write each one as --name=value")
+    return found, problems
+
+
+def _option_problems(options: tuple[str, ...]) -> list[str]:
+    """sbatch_options that sbatch would refuse, or that would override what tether sets itself."""
+    found, problems = sbatch_words(options)
+    for given, name, value in found:
+        if name in OWN_OPTIONS:
+            seen = "" if given.startswith(f"--{name}") else f" (sbatch reads it as --{name})"
+            problems.append(f"sbatch_options: {given!r} is set by tether itself{seen}: {OWN_OPTIONS[name]}")
+        elif value is None and name in SBATCH_REQUIRED_ARG:
+            problems.append(f"sbatch_options: {given!r} needs a value: --{name}=VALUE")
+        elif value is not None and name in SBATCH_NO_ARG:
+            problems.append(f"sbatch_options: {given!r} takes no value: --{name}")
+    return problems
+
+
+def _normalized(path: str) -> str:
+    """A POSIX path without ., .. and repeated slashes (normpath keeps a leading // : POSIX allows it)."""
+    norm = posixpath.normpath(path)
+    return "/" + norm.lstrip("/") if norm.startswith("//") else norm
 
 
 @dataclass(frozen=True)
@@ -63,17 +180,21 @@ class Config(ssh.Connection):
         found = [p for p in super().problems() if not (p.startswith("remote_dir") and not self.remote_dir)]
         if not self.remote_dir:
             found.append("remote_dir is required for slurm: a folder on storage the compute nodes share")
-        elif re.match(r"^/(var/)?tmp(/|$)", self.remote_dir):
+        elif re.match(r"^/(var/)?tmp(/|$)", _normalized(self.remote_dir)):
             found.append(f"remote_dir {self.remote_dir!r} is under /tmp or /var/tmp, which compute nodes do "
                          f"not share: use a folder on shared storage (e.g. ~/tether or /scratch/$USER/tether)")
         if time_seconds(self.time) is None:
             found.append(f"time {self.time!r}: use SLURM's [D-]HH:MM:SS, e.g. 04:00:00")
         if self.nice is not None and not 0 <= self.nice <= 2000:
             found.append(f"nice {self.nice} is outside 0-2000")
-        for option in self.sbatch_options:
-            if (option.split("=")[0].split() or [""])[0] in OWN_FLAGS:
-                found.append(f"sbatch_options: {option!r} is set by tether itself ({', '.join(OWN_FLAGS[:4])} "
-                             f"are tether's own); remove it")
+        found += _option_problems(self.sbatch_options)
+        seconds = time_seconds(self.time)
+        if seconds is not None and self.signal_grace_s >= seconds:
+            # --signal=B:USR1@grace then fires as the job starts: every attempt is told to checkpoint
+            # during its prelude, before the trainer runs ("SLURM job N failed (exit code 0:10)")
+            found.append(f"signal_grace_s {self.signal_grace_s} is not below time {self.time} ({seconds} s): the "
+                         f"time-limit warning would come as the job starts; lower signal_grace_s well below "
+                         f"{seconds}, or raise time")
         if self.poll_interval_s < 1:
             found.append(f"poll_interval_s {self.poll_interval_s} is too small (at least 10 is kind to the scheduler)")
         if not re.fullmatch(r"[A-Za-z0-9._-]+", self.job_name):

@@ -8,15 +8,36 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,utilization.gpu",
              "--format=csv,noheader,nounits"]
 CAPABILITY_QUERY = ["nvidia-smi", "--query-gpu=index,compute_cap", "--format=csv,noheader"]
 TORCH_PROBE = ("import json, torch; print(json.dumps({'torch': torch.__version__, "
                "'cuda': torch.version.cuda, 'arch_list': torch.cuda.get_arch_list()}))")
+# nvidia-smi(1), RETURN VALUE: 6 "A query to find an object was unsuccessful" (it prints "No devices
+# were found"), 9 "NVIDIA driver is not loaded". Both mean: this host has no GPU to use, so a run
+# trains on the CPU. Every other failure (permissions, a GPU fallen off the bus, ...) is an error.
+NO_GPU_EXITS = {6: "no GPU found", 9: "the NVIDIA driver is not loaded"}
+# A CUDA arch as torch.cuda.get_arch_list() names it: sm_86 (a cubin), compute_90 (PTX), sm_90a
+# (arch-specific: that exact GPU only), sm_100f (family: the same major version).
+ARCH_RE = re.compile(r"(sm|compute)_(\d+)([af]?)")
+
+
+class CommandFailed(RuntimeError):
+    """A far-side program exited non-zero; `said` is what it printed (stderr, else stdout)."""
+
+    def __init__(self, program: str, code: int, said: str) -> None:
+        super().__init__("%s exited %d: %s" % (program, code, said))
+        self.code = code
+        self.said = said
+
+
+class NoGpu(Exception):
+    """nvidia-smi ran and says this host has no usable GPU (no device, or no driver)."""
 
 
 def _run(argv: List[str], timeout: float = 30) -> Optional[str]:
@@ -26,59 +47,159 @@ def _run(argv: List[str], timeout: float = 30) -> Optional[str]:
     except FileNotFoundError:
         return None
     if done.returncode != 0:
-        raise RuntimeError("%s exited %d: %s" % (argv[0], done.returncode, done.stderr.strip()[-300:]))
+        # nvidia-smi prints its reasons ("No devices were found") on stdout, not stderr
+        said = " ".join((done.stderr.strip() or done.stdout.strip()).split())[-300:]
+        raise CommandFailed(argv[0], done.returncode, said)
     return done.stdout
 
 
+def _number(text: str, line: str) -> Optional[int]:
+    """A number nvidia-smi printed, or None for the `[N/A]` / `[Not Supported]` of a value this GPU cannot report."""
+    if text.startswith("[") and text.endswith("]"):
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        raise RuntimeError("nvidia-smi printed %r, not index, name, memory, utilization" % line) from None
+
+
 def gpus() -> Optional[List[Dict[str, Any]]]:
-    """The GPUs nvidia-smi reports (index, name, memory in MB, utilization %), or None without it."""
-    out = _run(GPU_QUERY)
+    """The GPUs nvidia-smi reports (index, name, memory in MB, utilization %; None where it says [N/A]),
+    or None without nvidia-smi; NoGpu when nvidia-smi says there is none."""
+    try:
+        out = _run(GPU_QUERY)
+    except CommandFailed as err:
+        if err.code in NO_GPU_EXITS:
+            raise NoGpu("nvidia-smi exited %d: %s" % (err.code, err.said or NO_GPU_EXITS[err.code])) from None
+        raise
     if out is None:
         return None
     found = []
     for line in out.strip().splitlines():
-        index, name, total, free, util = [part.strip() for part in line.split(",")]
-        found.append({"index": int(index), "name": name, "memory_total_mb": int(total),
-                      "memory_free_mb": int(free), "utilization_pct": int(util)})
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 5:
+            raise RuntimeError("nvidia-smi printed %r, not index, name, memory, utilization" % line)
+        index, name, total, free, util = parts
+        found.append({"index": int(index), "name": name, "memory_total_mb": _number(total, line),
+                      "memory_free_mb": _number(free, line), "utilization_pct": _number(util, line)})
     return found
 
 
 def choose_gpu(found: List[Dict[str, Any]], min_free_mb: int) -> Optional[Dict[str, Any]]:
-    """The GPU with the most free memory, if it has at least `min_free_mb`."""
-    best = max(found, key=lambda g: (g["memory_free_mb"], -g["utilization_pct"]), default=None)
-    return best if best and best["memory_free_mb"] >= min_free_mb else None
+    """The GPU with the most free memory, if it has at least `min_free_mb`. A GPU whose free memory
+    nvidia-smi cannot report ([N/A], e.g. unified memory) comes after every known one and qualifies
+    only when nothing is asked (min_free_mb 0); unknown utilization counts as fully busy."""
+    def fits(g: Dict[str, Any]) -> bool:
+        free = g["memory_free_mb"]
+        return free >= min_free_mb if free is not None else min_free_mb <= 0
+
+    def rank(g: Dict[str, Any]) -> Tuple[bool, int, int]:
+        util = g["utilization_pct"]
+        return (g["memory_free_mb"] is not None, g["memory_free_mb"] or 0, -(100 if util is None else util))
+
+    return max([g for g in found if fits(g)], key=rank, default=None)
 
 
-def gpu_env(settings: Dict[str, Any]) -> Dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for a launch; ValueError naming the GPUs when none is free enough."""
+def _free_text(g: Dict[str, Any]) -> str:
+    free = g["memory_free_mb"]
+    return "%d: %s" % (g["index"], "free memory unknown" if free is None else "%d MB free" % free)
+
+
+def gpu_env(settings: Dict[str, Any], found: Optional[List[Dict[str, Any]]] = None,
+            usable: Optional[Set[int]] = None) -> Dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for a launch; ValueError naming the GPUs when none is free enough.
+
+    `found`: the GPUs, if already queried; `usable`: the indices torch has kernels for (None: all)."""
     wanted = str(settings.get("gpus", "none"))
     if wanted == "none":
         return {}
     if wanted != "auto":
         return {"CUDA_VISIBLE_DEVICES": wanted}
-    found = gpus()
+    if found is None:
+        try:
+            found = gpus()
+        except NoGpu:
+            return {}  # nvidia-smi says no GPU (no device, no driver): the trainer runs on the CPU
     if not found:
         return {}  # no nvidia-smi or no GPU: the trainer runs on the CPU
+    candidates = [g for g in found if usable is None or g["index"] in usable] or found
     need = int(settings.get("min_free_gpu_mb", 0))
-    chosen = choose_gpu(found, need)
+    chosen = choose_gpu(candidates, need)
     if chosen is None:
-        seen = ", ".join("%d: %s MB free" % (g["index"], g["memory_free_mb"]) for g in found)
-        raise ValueError("no GPU has %d MB free (%s): wait, lower min_free_gpu_mb, or set gpus:" % (need, seen))
+        seen = ", ".join(_free_text(g) for g in candidates)
+        unknown = any(g["memory_free_mb"] is None for g in candidates)
+        raise ValueError("no GPU has %d MB free (%s): wait, lower min_free_gpu_mb%s, or set gpus:"
+                         % (need, seen, " (0 accepts a GPU whose free memory nvidia-smi cannot report)"
+                            if unknown else ""))
     return {"CUDA_VISIBLE_DEVICES": str(chosen["index"])}
 
 
+def kernel_for(capability: Tuple[int, int], arch_list: Sequence[str]) -> Optional[str]:
+    """The entry of torch's arch list that runs on a GPU of this compute capability, or None.
+
+    torch's own rule (torch/cuda/__init__.py, `_check_capability` and `_code_compatible_with_device`,
+    torch 2.13): a cubin sm_XY runs on the GPUs of major X with minor >= Y, so a stock wheel's sm_86
+    serves an sm_89 (RTX 40xx, L4, L40; pytorch/pytorch#95648); PTX compute_XY is JIT-compiled for
+    any GPU at or above X.Y (CUDA's forward compatibility); sm_XYa runs on X.Y only.
+    """
+    for arch in sorted(arch_list, key=lambda a: not a.startswith("sm_")):  # a ready cubin before PTX
+        match = ARCH_RE.fullmatch(arch)
+        if not match:
+            continue
+        kind, digits, suffix = match.groups()
+        built = (int(digits[:-1]), int(digits[-1]))
+        if suffix == "a":
+            fits = built == capability
+        elif kind == "sm":
+            fits = built[0] == capability[0] and built[1] <= capability[1]
+        else:
+            fits = built <= capability
+        if fits:
+            return arch
+    return None
+
+
+def _capabilities() -> Dict[int, Optional[Tuple[int, int]]]:
+    """Each GPU's compute capability (8.9 -> (8, 9)); None where nvidia-smi cannot tell."""
+    try:
+        out = _run(CAPABILITY_QUERY) or ""
+    except CommandFailed:
+        return {}  # a driver too old for the compute_cap field: capabilities unknown, nothing refused
+    found: Dict[int, Optional[Tuple[int, int]]] = {}
+    for line in out.strip().splitlines():
+        index, _, cap = [part.strip() for part in line.partition(",")]
+        major, dot, minor = cap.partition(".")
+        found[int(index)] = (int(major), int(minor)) if dot and major.isdigit() and minor.isdigit() else None
+    return found
+
+
+def _judge(gpu: Dict[str, Any], capability: Optional[Tuple[int, int]], info: Dict[str, Any]) -> Dict[str, Any]:
+    """Whether torch has kernels for one GPU: {index, capability, kernels (the arch used) or None, ok, reason}."""
+    verdict: Dict[str, Any] = {"index": gpu["index"], "name": gpu["name"], "kernels": None}
+    if capability is None:
+        return dict(verdict, capability=None, ok=True, reason="compute capability unknown: not checked")
+    verdict["capability"] = "sm_%d%d" % capability
+    if not info.get("cuda"):
+        return dict(verdict, ok=False, reason="torch %s is a CPU-only build" % info["torch"])
+    arch = kernel_for(capability, info.get("arch_list") or [])
+    if arch is None:
+        built = ", ".join(info.get("arch_list") or []) or "none (torch sees no CUDA device)"
+        return dict(verdict, ok=False, reason="torch's arch list (%s) has nothing for %s" % (built, verdict["capability"]))
+    return dict(verdict, kernels=arch, ok=True, reason="runs %s" % arch)
+
+
 def torch_kernels(found: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Whether this Python's torch has kernels for these GPUs (compute capabilities)."""
+    """Whether this Python's torch has kernels for each of these GPUs; `usable` lists those that do."""
     try:
         probe = _run([sys.executable, "-c", TORCH_PROBE], timeout=120)
     except RuntimeError:
         return {"torch": None}
     info = json.loads(probe) if probe else {"torch": None}
-    capabilities = {}
-    for line in (_run(CAPABILITY_QUERY) or "").strip().splitlines():
-        index, cap = [part.strip() for part in line.split(",")]
-        capabilities[int(index)] = "sm_" + cap.replace(".", "")
-    info["unsupported"] = sorted({c for c in capabilities.values() if c not in info.get("arch_list", [])})
+    if not info.get("torch"):
+        return info
+    capabilities = _capabilities()
+    info["gpus"] = [_judge(g, capabilities.get(g["index"]), info) for g in found]
+    info["usable"] = [v["index"] for v in info["gpus"] if v["ok"]]
     return info
 
 
@@ -108,11 +229,30 @@ def check(settings: Dict[str, Any]) -> Dict[str, Any]:
 
         report["slurm"] = scheduler.check(settings)
     if str(settings.get("gpus", "none")) != "none":
-        try:
-            report["gpus"] = gpus()
-            report["gpu_env"] = gpu_env(settings)
-        except (RuntimeError, ValueError) as err:
-            report["gpu_error"] = str(err)
-        if report.get("gpus") and "torch" in settings.get("require", []) and not report["missing_modules"]:
-            report["torch"] = torch_kernels(report["gpus"])
+        torch_needed = "torch" in settings.get("require", []) and not report["missing_modules"]
+        report.update(_gpu_check(settings, torch_needed))
     return report
+
+
+def _gpu_check(settings: Dict[str, Any], torch_needed: bool) -> Dict[str, Any]:
+    """The GPU part of a preflight: gpus, no_gpu (why there is none), torch (kernels per GPU), gpu_env, gpu_error."""
+    try:
+        found = gpus()
+    except NoGpu as err:
+        wanted = str(settings.get("gpus"))
+        if wanted != "auto":  # the config names GPUs: training on the CPU is not what it asked for
+            return {"gpus": [], "gpu_error": "gpus %r names GPUs, but %s: fix the driver, or set gpus: auto "
+                                             "to train on the CPU" % (wanted, err)}
+        return {"gpus": [], "no_gpu": str(err)}
+    except RuntimeError as err:
+        return {"gpu_error": str(err)}
+    result: Dict[str, Any] = {"gpus": found}
+    usable = None
+    if found and torch_needed:
+        result["torch"] = torch_kernels(found)
+        usable = set(result["torch"].get("usable", [g["index"] for g in found]))  # a GPU without kernels is skipped
+    try:
+        result["gpu_env"] = gpu_env(settings, found or [], usable)  # [] : do not ask nvidia-smi again
+    except ValueError as err:
+        result["gpu_error"] = str(err)
+    return result

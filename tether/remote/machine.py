@@ -142,7 +142,8 @@ def kernel_for(capability: Tuple[int, int], arch_list: Sequence[str]) -> Optiona
     serves an sm_89 (RTX 40xx, L4, L40; pytorch/pytorch#95648); PTX compute_XY is JIT-compiled for
     any GPU at or above X.Y (CUDA's forward compatibility); sm_XYa runs on X.Y only.
     """
-    for arch in sorted(arch_list, key=lambda a: not a.startswith("sm_")):  # a ready cubin before PTX
+    fitting = []
+    for arch in arch_list:
         match = ARCH_RE.fullmatch(arch)
         if not match:
             continue
@@ -155,8 +156,8 @@ def kernel_for(capability: Tuple[int, int], arch_list: Sequence[str]) -> Optiona
         else:
             fits = built <= capability
         if fits:
-            return arch
-    return None
+            fitting.append((kind == "sm", built, arch))
+    return max(fitting)[2] if fitting else None  # a ready cubin before PTX, the newest that fits
 
 
 def _capabilities() -> Dict[int, Optional[Tuple[int, int]]]:
@@ -188,19 +189,24 @@ def _judge(gpu: Dict[str, Any], capability: Optional[Tuple[int, int]], info: Dic
     return dict(verdict, kernels=arch, ok=True, reason="runs %s" % arch)
 
 
-def torch_kernels(found: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Whether this Python's torch has kernels for each of these GPUs; `usable` lists those that do."""
-    try:
-        probe = _run([sys.executable, "-c", TORCH_PROBE], timeout=120)
-    except RuntimeError:
-        return {"torch": None}
-    info = json.loads(probe) if probe else {"torch": None}
-    if not info.get("torch"):
-        return info
-    capabilities = _capabilities()
-    info["gpus"] = [_judge(g, capabilities.get(g["index"]), info) for g in found]
-    info["usable"] = [v["index"] for v in info["gpus"] if v["ok"]]
-    return info
+def torch_kernels(found: List[Dict[str, Any]], info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Whether this Python's torch has kernels for each of these GPUs; `usable` lists those that do.
+
+    `info`: what TORCH_PROBE prints (torch, cuda, arch_list), if already known; else it is run here."""
+    if info is None:
+        try:
+            probe = _run([sys.executable, "-c", TORCH_PROBE], timeout=120)
+        except RuntimeError:
+            return {"torch": None}
+        info = json.loads(probe) if probe else {"torch": None}
+    return kernels_per_gpu(found, info, _capabilities()) if info.get("torch") else info
+
+
+def kernels_per_gpu(found: List[Dict[str, Any]], info: Dict[str, Any],
+                    capabilities: Dict[int, Optional[Tuple[int, int]]]) -> Dict[str, Any]:
+    """torch's probe (version, cuda, arch_list) plus a verdict per GPU and `usable`, the GPUs it has kernels for."""
+    verdicts = [_judge(g, capabilities.get(g["index"]), info) for g in found]
+    return dict(info, gpus=verdicts, usable=[v["index"] for v in verdicts if v["ok"]])
 
 
 def _writable(folder: str) -> bool:
@@ -230,12 +236,14 @@ def check(settings: Dict[str, Any]) -> Dict[str, Any]:
         report["slurm"] = scheduler.check(settings)
     if str(settings.get("gpus", "none")) != "none":
         torch_needed = "torch" in settings.get("require", []) and not report["missing_modules"]
-        report.update(_gpu_check(settings, torch_needed))
+        report.update(gpu_check(settings, torch_needed))
     return report
 
 
-def _gpu_check(settings: Dict[str, Any], torch_needed: bool) -> Dict[str, Any]:
-    """The GPU part of a preflight: gpus, no_gpu (why there is none), torch (kernels per GPU), gpu_env, gpu_error."""
+def gpu_check(settings: Dict[str, Any], torch_needed: bool, torch_probe: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The GPU part of a preflight: gpus, no_gpu (why there is none), torch (kernels per GPU), gpu_env, gpu_error.
+
+    `torch_probe`: torch's version, CUDA and arch list, if known (else torch_kernels asks this Python)."""
     try:
         found = gpus()
     except NoGpu as err:
@@ -249,7 +257,7 @@ def _gpu_check(settings: Dict[str, Any], torch_needed: bool) -> Dict[str, Any]:
     result: Dict[str, Any] = {"gpus": found}
     usable = None
     if found and torch_needed:
-        result["torch"] = torch_kernels(found)
+        result["torch"] = torch_kernels(found, torch_probe)
         usable = set(result["torch"].get("usable", [g["index"] for g in found]))  # a GPU without kernels is skipped
     try:
         result["gpu_env"] = gpu_env(settings, found or [], usable)  # [] : do not ask nvidia-smi again

@@ -36,7 +36,8 @@ import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from tether.backends.base import Report, _gpu_items  # noqa: E402
-from tether.backends.slurm import SBATCH_LONG, SBATCH_NO_ARG, SBATCH_REQUIRED_ARG, Config, sbatch_words  # noqa: E402
+from tether.backends.slurm import (OWN_OPTIONS, SBATCH_LONG, SBATCH_NO_ARG, SBATCH_REQUIRED_ARG, Config,  # noqa: E402
+                                   sbatch_words)
 from tether.remote import machine  # noqa: E402
 
 NVIDIA_SMI_DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
@@ -295,8 +296,9 @@ def test_sbatch_option_table_is_the_installed_sbatchs(tmp_path):
                              ("pars", "parsable"), ("sig", "signal"), ("o", "ambiguous"), ("acount", "unknown"),
                              ("acco", "account"), ("acc", "ambiguous"), ("hold", "hold")]:
         assert (_sbatch_resolves(prefix, env), _tether_resolves(prefix)) == (expected, expected), prefix
-    assert {n for n in SBATCH_LONG if _sbatch_resolves(n, env) == "accepted"} == \
-        set(SBATCH_LONG) - SBATCH_NO_ARG - SBATCH_REQUIRED_ARG
+    # each option's argument, for those whose argument decides what the next word is (a value or an option)
+    for name in sorted(set(OWN_OPTIONS) | (set(SBATCH_LONG) - SBATCH_NO_ARG - SBATCH_REQUIRED_ARG)):
+        assert (_sbatch_resolves(name, env) == "accepted") == (name not in SBATCH_NO_ARG | SBATCH_REQUIRED_ARG), name
 
 
 # (end of section: GPUs and SLURM guards)

@@ -275,7 +275,7 @@ def _torch_item(report: Report, torch: dict) -> None:
         report.add("torch kernels", False, f"{head} has kernels for no GPU here: {skipped}; install a torch "
                    f"build for these GPUs (pytorch.org/get-started), or set gpus: none to train on the CPU")
     elif lacking:
-        report.add("torch kernels", True, f"{head} has kernels for GPU(s) {', '.join(str(i) for i in torch['usable'])}; "
-                   f"skipped: {skipped}")
+        usable = ", ".join(str(i) for i in torch["usable"])
+        report.add("torch kernels", True, f"{head} has kernels for GPU(s) {usable}; skipped: {skipped}")
     else:
         report.add("torch kernels", True, f"{head} has kernels for these GPUs")

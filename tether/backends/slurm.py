@@ -95,43 +95,62 @@ def _long_name(given: str) -> tuple[Optional[str], str]:
     return None, f"is not an sbatch option ({hint})"
 
 
-def sbatch_words(options: tuple[str, ...]) -> tuple[list[tuple[str, str, Optional[str]]], list[str]]:
+Resolved = tuple[str, str, Optional[str]]  # (the words as given, sbatch's long name, the value or None)
+
+
+def sbatch_words(options: tuple[str, ...]) -> tuple[list[Resolved], list[str]]:
     """sbatch_options as sbatch resolves them: ([(as given, long name, value)], [problems]).
 
     Long options by unambiguous prefix, `--name=value` or `--name value`; short ones alone, bunched
     (`-Hv`) or with a value attached (`-D/`, `-ofile`) or apart (`-o file`), as getopt_long does."""
     words = [word for option in options for word in option.split()]
-    found: list[tuple[str, str, Optional[str]]] = []
+    found: list[Resolved] = []
     problems: list[str] = []
     i = 0
     while i < len(words):
-        word, i = words[i], i + 1
-        if word.startswith("--") and word != "--":
-            given, eq, value = word[2:].partition("=")
-            name, why = _long_name(given)
-            if name is None:
-                problems.append(f"sbatch_options: {word!r} {why}")
-                continue
-            if not eq and name in SBATCH_REQUIRED_ARG and i < len(words):
-                value, i, eq, word = words[i], i + 1, "=", f"{word} {words[i]}"
-            found.append((word, name, value if eq else None))
-        elif word.startswith("-") and len(word) > 1 and word != "--":
-            for j, letter in enumerate(word[1:], start=2):
-                name = SBATCH_SHORT.get(letter)
-                if name is None:
-                    problems.append(f"sbatch_options: {word!r}: -{letter} is not an sbatch option (see `sbatch --help`)")
-                    break
-                if name in SBATCH_NO_ARG:
-                    found.append((word, name, None))
-                    continue
-                value = word[j:] or None
-                if value is None and name in SBATCH_REQUIRED_ARG and i < len(words):
-                    value, i, word = words[i], i + 1, f"{word} {words[i]}"
-                found.append((word, name, value))
-                break
+        if words[i].startswith("--") and words[i] != "--":
+            i = _long_option(words, i, found, problems)
+        elif words[i].startswith("-") and words[i] not in ("-", "--"):
+            i = _short_options(words, i, found, problems)
         else:
-            problems.append(f"sbatch_options: {word!r} is not an option: write each one as --name=value")
+            problems.append(f"sbatch_options: {words[i]!r} is not an option: write each one as --name=value")
+            i += 1
     return found, problems
+
+
+def _long_option(words: list[str], i: int, found: list[Resolved], problems: list[str]) -> int:
+    """Resolve the `--name[=value]` at words[i] (its value may be the next word); the index after it."""
+    word = words[i]
+    given, eq, value = word[2:].partition("=")
+    name, why = _long_name(given)
+    if name is None:
+        problems.append(f"sbatch_options: {word!r} {why}")
+        return i + 1
+    if not eq and name in SBATCH_REQUIRED_ARG and i + 1 < len(words):
+        found.append((f"{word} {words[i + 1]}", name, words[i + 1]))
+        return i + 2
+    found.append((word, name, value if eq else None))
+    return i + 1
+
+
+def _short_options(words: list[str], i: int, found: list[Resolved], problems: list[str]) -> int:
+    """Resolve the short options bunched in words[i] (the last one's value may be the next word)."""
+    word = words[i]
+    for j, letter in enumerate(word[1:], start=2):
+        name = SBATCH_SHORT.get(letter)
+        if name is None:
+            problems.append(f"sbatch_options: {word!r}: -{letter} is not an sbatch option (see `sbatch --help`)")
+            return i + 1
+        if name in SBATCH_NO_ARG:
+            found.append((word, name, None))
+            continue
+        value = word[j:] or None  # the rest of the word is the value: -D/ is --chdir=/
+        if value is None and name in SBATCH_REQUIRED_ARG and i + 1 < len(words):
+            found.append((f"{word} {words[i + 1]}", name, words[i + 1]))
+            return i + 2
+        found.append((word, name, value))
+        return i + 1
+    return i + 1
 
 
 def _option_problems(options: tuple[str, ...]) -> list[str]:

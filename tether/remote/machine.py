@@ -185,7 +185,8 @@ def _judge(gpu: Dict[str, Any], capability: Optional[Tuple[int, int]], info: Dic
     arch = kernel_for(capability, info.get("arch_list") or [])
     if arch is None:
         built = ", ".join(info.get("arch_list") or []) or "none (torch sees no CUDA device)"
-        return dict(verdict, ok=False, reason="torch's arch list (%s) has nothing for %s" % (built, verdict["capability"]))
+        reason = "torch's arch list (%s) has nothing for %s" % (built, verdict["capability"])
+        return dict(verdict, ok=False, reason=reason)
     return dict(verdict, kernels=arch, ok=True, reason="runs %s" % arch)
 
 
@@ -240,7 +241,8 @@ def check(settings: Dict[str, Any]) -> Dict[str, Any]:
     return report
 
 
-def gpu_check(settings: Dict[str, Any], torch_needed: bool, torch_probe: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def gpu_check(settings: Dict[str, Any], torch_needed: bool,
+              torch_probe: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The GPU part of a preflight: gpus, no_gpu (why there is none), torch (kernels per GPU), gpu_env, gpu_error.
 
     `torch_probe`: torch's version, CUDA and arch list, if known (else torch_kernels asks this Python)."""

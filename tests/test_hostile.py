@@ -94,6 +94,10 @@ NVIDIA_SMI_CASES = [
     pytest.param("no-devices.txt", 6, "0", 2000, False,
                  "gpus '0' names GPUs, but nvidia-smi exited 6: No devices were found: fix the driver, or set "
                  "gpus: auto to train on the CPU", {"CUDA_VISIBLE_DEVICES": "0"}, id="no-devices-but-gpus-named"),
+    pytest.param("nvml-mismatch.txt", 18, "auto", 2000, False,
+                 "nvidia-smi exited 18: Failed to initialize NVML: Driver/library version mismatch NVML library "
+                 "version: 535.161: make nvidia-smi work on the far side, or set gpus: none",
+                 "Failed to initialize NVML: Driver/library version mismatch", id="other-failures-say-why"),
     pytest.param("query-gpu-memory-gb10.txt", 0, "auto", 2000, False,
                  "no GPU has 2000 MB free (0: free memory unknown): wait, lower min_free_gpu_mb (0 accepts a GPU "
                  "whose free memory nvidia-smi cannot report), or set gpus:",

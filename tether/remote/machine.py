@@ -22,6 +22,7 @@ TORCH_PROBE = ("import json, torch; print(json.dumps({'torch': torch.__version__
 # were found"), 9 "NVIDIA driver is not loaded". Both mean: this host has no GPU to use, so a run
 # trains on the CPU. Every other failure (permissions, a GPU fallen off the bus, ...) is an error.
 NO_GPU_EXITS = {6: "no GPU found", 9: "the NVIDIA driver is not loaded"}
+NVIDIA_SMI_FIX = "%s: make nvidia-smi work on the far side, or set gpus: none"
 # A CUDA arch as torch.cuda.get_arch_list() names it: sm_86 (a cubin), compute_90 (PTX), sm_90a
 # (arch-specific: that exact GPU only), sm_100f (family: the same major version).
 ARCH_RE = re.compile(r"(sm|compute)_(\d+)([af]?)")
@@ -120,6 +121,8 @@ def gpu_env(settings: Dict[str, Any], found: Optional[List[Dict[str, Any]]] = No
             found = gpus()
         except NoGpu:
             return {}  # nvidia-smi says no GPU (no device, no driver): the trainer runs on the CPU
+        except RuntimeError as err:  # a launch answers with this one line, not a traceback
+            raise ValueError(NVIDIA_SMI_FIX % err) from None
     if not found:
         return {}  # no nvidia-smi or no GPU: the trainer runs on the CPU
     candidates = [g for g in found if usable is None or g["index"] in usable] or found
@@ -255,7 +258,7 @@ def gpu_check(settings: Dict[str, Any], torch_needed: bool,
                                              "to train on the CPU" % (wanted, err)}
         return {"gpus": [], "no_gpu": str(err)}
     except RuntimeError as err:
-        return {"gpu_error": str(err)}
+        return {"gpu_error": NVIDIA_SMI_FIX % err}
     result: Dict[str, Any] = {"gpus": found}
     usable = None
     if found and torch_needed:

@@ -128,7 +128,7 @@ def test_nvidia_smi_edge_cases(replay_nvidia_smi, tmp_path, output, code, gpus, 
 
 # torch's probe on the far side, GPUs replayed from the captures (query-gpu-memory.txt: GPU 1 has the
 # most free memory; query-gpu-compute_cap.txt: GPU 0 is sm_70, GPU 1 sm_89), whether the host is
-# accepted, which GPUs are usable, what the torch line says, and the GPU a run gets
+# accepted, which GPUs are usable, what the torch line says, and the GPU a run gets (at check and launch)
 TORCH_KERNEL_CASES = [
     pytest.param(CU126, True, [0, 1], ["torch 2.7.0+cu126 (CUDA 12.6) has kernels for these GPUs"], "1",
                  id="sm_89-runs-the-stock-sm_86-cubin"),
@@ -145,9 +145,9 @@ TORCH_KERNEL_CASES = [
 
 
 @pytest.mark.parametrize("probe, ok, usable, details, chosen", TORCH_KERNEL_CASES)
-def test_torch_kernels_per_gpu(replay_nvidia_smi, probe, ok, usable, details, chosen):
+def test_torch_kernels_per_gpu(replay_nvidia_smi, tmp_path, probe, ok, usable, details, chosen):
     replay_nvidia_smi("query-gpu-memory.txt")
-    settings = {"gpus": "auto", "min_free_gpu_mb": 900}
+    settings = {"remote_dir": str(tmp_path), "gpus": "auto", "min_free_gpu_mb": 900}
     found = machine.gpu_check(settings, torch_needed=True, torch_probe=probe)
     assert found["torch"]["usable"] == usable, found
     lines = gpu_lines(found, settings)
@@ -155,6 +155,9 @@ def test_torch_kernels_per_gpu(replay_nvidia_smi, probe, ok, usable, details, ch
     for detail in details:
         assert detail in lines["torch kernels"]["detail"], lines
     assert lines["gpu"]["ok"] and lines["gpu"]["detail"].endswith(f"a run gets CUDA_VISIBLE_DEVICES={chosen}"), lines
+    assert machine.gpu_env(settings) == {"CUDA_VISIBLE_DEVICES": chosen}  # the launch, which does not probe torch
+    machine.gpu_check(settings, torch_needed=False)  # a trainer without torch: no GPU is skipped any more
+    assert machine.gpu_env(settings) == {"CUDA_VISIBLE_DEVICES": "1"}
 
 
 # torch's rule, one GPU at a time: compute capability, arch list, the entry that runs it (None: none)

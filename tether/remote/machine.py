@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+from tether.remote.fileio import atomic_write_json, read_json
+
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,utilization.gpu",
              "--format=csv,noheader,nounits"]
 CAPABILITY_QUERY = ["nvidia-smi", "--query-gpu=index,compute_cap", "--format=csv,noheader"]
@@ -22,6 +24,9 @@ TORCH_PROBE = ("import json, torch; print(json.dumps({'torch': torch.__version__
 # were found"), 9 "NVIDIA driver is not loaded". Both mean: this host has no GPU to use, so a run
 # trains on the CPU. Every other failure (permissions, a GPU fallen off the bus, ...) is an error.
 NO_GPU_EXITS = {6: "no GPU found", 9: "the NVIDIA driver is not loaded"}
+# Under remote_dir: which GPUs the last preflight found torch kernels for, so that a launch (which
+# does not import torch) skips the same GPUs the preflight said it would.
+KERNELS_FILE = "gpu-kernels.json"
 NVIDIA_SMI_FIX = "%s: make nvidia-smi work on the far side, or set gpus: none"
 # A CUDA arch as torch.cuda.get_arch_list() names it: sm_86 (a cubin), compute_90 (PTX), sm_90a
 # (arch-specific: that exact GPU only), sm_100f (family: the same major version).
@@ -125,6 +130,8 @@ def gpu_env(settings: Dict[str, Any], found: Optional[List[Dict[str, Any]]] = No
             raise ValueError(NVIDIA_SMI_FIX % err) from None
     if not found:
         return {}  # no nvidia-smi or no GPU: the trainer runs on the CPU
+    if usable is None:
+        usable = _remembered_usable(settings, found)
     candidates = [g for g in found if usable is None or g["index"] in usable] or found
     need = int(settings.get("min_free_gpu_mb", 0))
     chosen = choose_gpu(candidates, need)
@@ -135,6 +142,33 @@ def gpu_env(settings: Dict[str, Any], found: Optional[List[Dict[str, Any]]] = No
                          % (need, seen, " (0 accepts a GPU whose free memory nvidia-smi cannot report)"
                             if unknown else ""))
     return {"CUDA_VISIBLE_DEVICES": str(chosen["index"])}
+
+
+def _gpu_identity(found: List[Dict[str, Any]]) -> List[List[Any]]:
+    return [[g["index"], g["name"]] for g in found]
+
+
+def _remember_usable(remote_dir: str, found: List[Dict[str, Any]], usable: Optional[Set[int]]) -> None:
+    """Record the preflight's usable GPUs for later launches; no verdict (torch not needed) removes an old one."""
+    path = os.path.join(remote_dir, KERNELS_FILE)
+    if usable is None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    atomic_write_json(path, {"gpus": _gpu_identity(found), "usable": sorted(usable)})
+
+
+def _remembered_usable(settings: Dict[str, Any], found: List[Dict[str, Any]]) -> Optional[Set[int]]:
+    """The usable GPUs the last preflight recorded, if it saw these same GPUs; else None (all usable)."""
+    try:
+        record = read_json(os.path.join(settings["remote_dir"], KERNELS_FILE)) if settings.get("remote_dir") else None
+    except ValueError:  # a damaged record decides nothing
+        record = None
+    if not isinstance(record, dict) or record.get("gpus") != _gpu_identity(found):
+        return None
+    return set(record.get("usable", []))
 
 
 def kernel_for(capability: Tuple[int, int], arch_list: Sequence[str]) -> Optional[str]:
@@ -264,6 +298,8 @@ def gpu_check(settings: Dict[str, Any], torch_needed: bool,
     if found and torch_needed:
         result["torch"] = torch_kernels(found, torch_probe)
         usable = set(result["torch"].get("usable", [g["index"] for g in found]))  # a GPU without kernels is skipped
+    if settings.get("remote_dir"):
+        _remember_usable(settings["remote_dir"], found or [], usable)
     try:
         result["gpu_env"] = gpu_env(settings, found or [], usable)  # [] : do not ask nvidia-smi again
     except ValueError as err:

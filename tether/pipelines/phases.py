@@ -256,6 +256,8 @@ def _settled(s: Session, snap: dict, seen: dict) -> bool:
 
 def _restart(s: Session, run: RunPaths, snap: dict) -> None:
     """Relaunch from the latest checkpoint when the restart policy allows it, else say what to do."""
+    if snap.get("final"):
+        return  # it ended for good and its launcher is still sealing: watch waits for the manifest
     status, restarts = snap["status"], int(snap["state"].get("restarts") or 0)
     policy, most, spec = s.job.restart.policy, s.job.restart.max_restarts, {"restart": asdict(s.job.restart)}
     allowed = restart_allowed(status, spec, attempt=1)  # does the policy cover this end at all?

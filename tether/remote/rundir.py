@@ -28,7 +28,8 @@ PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat"
                  "PULL_MANIFEST.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out")
 TETHER_FILES = SEALED_FILES + PRIVATE_FILES
 MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem
-MAGIC = re.compile(r"[*?[]")
+MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
+NOT_REGULAR = "not a regular file (a folder, pipe, socket or device)"
 
 def is_final(state: Dict[str, Any]) -> bool:
     """Whether the run has ended for good: it is never launched again, and its manifest is sealed."""
@@ -201,11 +202,11 @@ def _find(run_dir: str, relpath: str, budget: List[int]) -> Tuple[List[str], Lis
     kind, named = _kind(run_dir, "/".join(base))
     if kind == "link":
         return [], [_link(run_dir, named)]
-    if kind != "dir":
-        fits = kind != "missing" and _matches(base, segments)
-        return ([named] if fits and kind == "file" else []), (
-            [{"path": named, "reason": "not a regular file (a pipe, socket or device)"}] if fits and kind == "other" else [])
-    return _walk(run_dir, "/".join(base), segments, budget)
+    if kind == "dir":
+        return _walk(run_dir, named, segments, budget)
+    if kind == "missing" or not _matches(base, segments):
+        return [], []
+    return ([named], []) if kind == "file" else ([], [{"path": named, "reason": NOT_REGULAR}])
 
 
 def _walk(run_dir: str, base: str, segments: List[str], budget: List[int]) -> Tuple[List[str], List[Dict[str, str]]]:
@@ -214,7 +215,12 @@ def _walk(run_dir: str, base: str, segments: List[str], budget: List[int]) -> Tu
     found, refused, stack = [], [], [(base, 0)]
     while stack:
         folder, level = stack.pop()
-        with os.scandir(run_file(run_dir, folder)) as entries:
+        try:
+            entries = os.scandir(run_file(run_dir, folder))
+        except OSError as err:  # unreadable: say so, and seal the rest
+            refused.append({"path": folder, "reason": "could not be listed: %s" % err})
+            continue
+        with entries:
             for entry in entries:
                 budget[0] -= 1
                 if budget[0] < 0:
@@ -230,7 +236,7 @@ def _walk(run_dir: str, base: str, segments: List[str], budget: List[int]) -> Tu
                 elif fits and entry.is_file(follow_symlinks=False):
                     found.append(relpath)
                 elif fits:
-                    refused.append({"path": relpath, "reason": "not a regular file (a pipe, socket or device)"})
+                    refused.append({"path": relpath, "reason": NOT_REGULAR})
     return found, refused
 
 
@@ -240,7 +246,7 @@ def _fixed(run_dir: str, relpath: str) -> Tuple[List[str], List[Dict[str, str]]]
     if kind == "link":
         return [], [_link(run_dir, named)]
     if kind in ("dir", "other"):
-        return [], [{"path": relpath, "reason": "not a regular file"}]
+        return [], [{"path": relpath, "reason": NOT_REGULAR}]
     return ([relpath] if kind == "file" else []), []
 
 

@@ -248,7 +248,7 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
 
 
 def _launcher_failed(run_dir: str, err: Exception, supervisor: _Supervisor) -> int:
-    """Record the launcher's own failure (state, event), end the trainer, seal what exists; exit 1."""
+    """Record the launcher's own failure (state, event), end the trainer, seal what exists; its exit code."""
     traceback.print_exc()  # into launcher.log (a SLURM job's output): the bug report needs it
     error = "%s: %s" % (type(err).__name__, err)
     if supervisor.pgid:

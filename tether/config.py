@@ -321,6 +321,19 @@ def _check_paths(job: Job, root: str, document: Any, problems: Problems) -> None
                                "or the files in" % (path, root))
             elif not os.path.exists(os.path.join(root, path)):
                 problems.error(at, "path %r does not exist (paths are relative to %s)" % (path, root))
+    _check_artifacts(job, document, problems)
+
+
+def _check_artifacts(job: Job, document: Any, problems: Problems) -> None:
+    """Every artifact pattern stays in the run dir and names no tether file (the seal's own rule)."""
+    from tether.remote.rundir import artifact_problem
+
+    node = document.get("artifacts")
+    for index, pattern in enumerate(job.artifacts):
+        problem = artifact_problem(pattern)
+        if problem:
+            at = problems.at(node, index) if hasattr(node, "lc") else problems.at(document, "artifacts")
+            problems.error(at, problem)
 
 
 def _check_sweep(job: Job, document: Any, problems: Problems) -> None:

@@ -222,8 +222,8 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     write_stamp(run, "watch", status=snap["status"], exit_code=state.get("exit_code"))
     if snap["status"] != "completed":
         log = tail_text(s.backend.filesystem(), run)
-        raise RunError(f"run {run.run_id} {snap['status']} (exit code {state.get('exit_code')}); "
-                       f"the end of train.log:\n{log}\n`doit pull run={run.run_id}` brings its files home")
+        raise RunError(f"run {run.run_id} {_ended_words(s, snap)}; the end of train.log:\n{log}\n"
+                       f"`doit pull run={run.run_id}` brings its files home")
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
 
@@ -256,6 +256,8 @@ def _settled(s: Session, snap: dict, seen: dict) -> bool:
 
 def _restart(s: Session, run: RunPaths, snap: dict) -> None:
     """Relaunch from the latest checkpoint when the restart policy allows it, else say what to do."""
+    if snap.get("final"):
+        return  # it ended for good and its launcher is still sealing: watch waits for the manifest
     status, restarts = snap["status"], int(snap["state"].get("restarts") or 0)
     policy, most, spec = s.job.restart.policy, s.job.restart.max_restarts, {"restart": asdict(s.job.restart)}
     allowed = restart_allowed(status, spec, attempt=1)  # does the policy cover this end at all?
@@ -274,8 +276,31 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
         raise RunError(f"run {run.run_id} was lost: {why}, before it could checkpoint and exit. "
                        f"`doit run train` relaunches it from its latest checkpoint")
     why = f"restart policy {policy!r}" + (f", {restarts} of {most} restarts used" if allowed else "")
-    raise RunError(f"run {run.run_id} is {status} ({why}); it saved its progress: "
-                   f"`doit run train` resumes it from the latest checkpoint")
+    saved = _checkpoint_words(snap["state"])
+    raise RunError(f"run {run.run_id} is {status} ({why}); {saved}: `doit run train` "
+                   + ("resumes it from there" if snap["state"].get("checkpoint") else "runs it again"))
+
+
+def _ended_words(s: Session, snap: dict) -> str:
+    """How a run that will not run again ended, for watch's last line: whose failure, what it left."""
+    state = snap["state"]
+    if state.get("launcher_error"):
+        return (f"ended because the launcher failed: {state['launcher_error']} "
+                f"(launcher.log has the traceback; please report it)")
+    text = f"{snap['status']} (exit code {state.get('exit_code')})"
+    if snap["status"] == "preempted":  # final: the restart policy will not resume it
+        restart = s.job.restart
+        used = f", {state.get('restarts', 0)} of {restart.max_restarts} restarts used" if restart.policy != "never" else ""
+        text += f" and is not restarted (restart policy {restart.policy!r}{used}); {_checkpoint_words(state)}"
+    return text
+
+
+def _checkpoint_words(state: dict) -> str:
+    """What a run left to resume from, as the launcher recorded it (older launchers did not)."""
+    if "checkpoint" not in state:
+        return "its checkpoints/ folder holds what it saved"
+    saved = state["checkpoint"]
+    return f"its latest checkpoint is {saved}" if saved else "it saved no checkpoint"
 
 
 def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
@@ -336,6 +361,8 @@ def pull(s: Session) -> str:
 
 
 def _warn_roster(s: Session, listed: dict) -> None:
+    for entry in listed.get("refused", []):  # what the far side's seal would not list (links, tether's files)
+        print(f"warning: not pulled: {entry['path']}: {entry['reason']}")
     if listed.get("missing"):
         print(f"warning: declared artifacts that the run did not produce: {', '.join(listed['missing'])}")
     if sorted(listed.get("artifacts", [])) != sorted(s.job.artifacts):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
+import stat
 import tarfile
 from typing import Any, BinaryIO, Callable, List, Optional, Tuple
 
@@ -72,6 +74,19 @@ def sha256_file(path: str) -> Tuple[str, int]:
     """(hex SHA-256, size in bytes) of the file at `path`."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def sha256_regular(path: str) -> Tuple[str, int]:
+    """sha256_file of a regular file only: a link is not followed, a pipe never blocks (OSError instead)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        digest, size = hashlib.sha256(), 0
         for chunk in iter(lambda: f.read(CHUNK), b""):
             digest.update(chunk)
             size += len(chunk)

@@ -42,6 +42,7 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
 from tether.remote import machine, objects, scheduler  # noqa: E402
@@ -54,6 +55,7 @@ from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint  # noqa: E
 
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3
+LAUNCHER_ERROR_EXIT = 4  # `run`: the launcher itself failed; state.json's launcher_error says how
 REQUEUE_EXIT = 99  # `run` under SLURM: "requeue this job, the restart policy wants another attempt"
 VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,22 +94,41 @@ def _resume_point(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
     if mapped:
         own = os.path.join(run_dir, "code", mapped)
         saved = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
-        if not os.path.exists(own) and os.path.exists(saved):
+        if not os.path.exists(own) and _inside_file(run_dir, saved):
             os.makedirs(os.path.dirname(own), exist_ok=True)
             shutil.copy2(saved, own)
         return own if os.path.exists(own) else None
     return latest_checkpoint(run_file(run_dir, "checkpoints"))
 
 
+def _inside_file(run_dir: str, path: str) -> bool:
+    """Whether `path` is a regular file inside the run dir, links resolved (a link may lead anywhere)."""
+    real = os.path.realpath(path)
+    return real.startswith(os.path.realpath(run_dir) + os.sep) and os.path.isfile(real)
+
+
 def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     """Copy a script's own checkpoint file into checkpoints/ so the manifest and resumes see it."""
     mapped = spec.get("checkpoint_path")
     own = os.path.join(run_dir, "code", mapped) if mapped else ""
-    if own and os.path.exists(own):
-        target = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
-        tmp = target + ".tmp-%d" % os.getpid()
-        shutil.copy2(own, tmp)
-        os.replace(tmp, target)
+    if not own or not os.path.lexists(own):
+        return
+    if not _inside_file(run_dir, own):  # a folder (Hugging Face's outputs/) is not copied yet, nor a far link
+        event(run_dir, "checkpoint_not_kept", path=mapped,
+              reason="not a file in the run folder: only a file checkpoint is copied into checkpoints/")
+        return
+    target = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
+    tmp = target + ".tmp-%d" % os.getpid()
+    shutil.copy2(os.path.realpath(own), tmp)
+    os.replace(tmp, target)
+
+
+def _saved_checkpoint(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
+    """The checkpoint this run leaves (relative to the run dir), or None: what a message may promise."""
+    mapped = spec.get("checkpoint_path")
+    kept = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped))) if mapped else ""
+    found = kept if kept and os.path.isfile(kept) else latest_checkpoint(run_file(run_dir, "checkpoints"))
+    return os.path.relpath(found, run_dir) if found else None
 
 
 class _Supervisor:
@@ -175,6 +196,14 @@ def run(run_dir: str) -> int:
     if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
+    try:
+        return _attempt(run_dir, state, lock, supervisor)
+    except Exception as err:  # our own bug must not look like a lost run (a relaunch trains again)
+        return _launcher_failed(run_dir, err, supervisor)
+
+
+def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Supervisor) -> int:
+    """One attempt under the lock: start the trainer, wait for it, record its end, seal if final."""
     spec = read_json(run_file(run_dir, "run.json"))
     for name in ("checkpoints", "artifacts"):
         os.makedirs(run_file(run_dir, name), exist_ok=True)
@@ -192,13 +221,13 @@ def run(run_dir: str) -> int:
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
         )
+    supervisor.attach(child.pid)
     update_state(
         run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
         restarts=attempt - 1, started_at=now(), resumed_from=resume, host=os.uname()[1],
         exit_code=None, ended_at=None, final=False, launcher_version=os.path.basename(VERSION_DIR),
     )
     event(run_dir, "launch", attempt=attempt, restarts=attempt - 1, resumed_from=resume, argv=argv)
-    supervisor.attach(child.pid)
     done = threading.Event()
     threading.Thread(target=_heartbeat, args=(run_dir, done), daemon=True).start()
     returncode = child.wait()
@@ -208,7 +237,7 @@ def run(run_dir: str) -> int:
     status = _outcome(run_dir, returncode, supervisor.signalled)
     final = decide_final(status, spec, attempt)
     update_state(run_dir, status=status, final=final, exit_code=returncode, ended_at=now(),
-                  signal=supervisor.signalled or None)
+                 signal=supervisor.signalled or None, checkpoint=_saved_checkpoint(run_dir, spec))
     event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
     if final:
         seal(run_dir)
@@ -216,6 +245,30 @@ def run(run_dir: str) -> int:
     # never after a TERM: that is scancel (the user's will) or a scheduler that requeues by itself.
     requeue = os.environ.get("SLURM_JOB_ID") and supervisor.signalled not in ("SIGTERM", "SIGINT", "SIGHUP")
     return REQUEUE_EXIT if requeue and restart_allowed(status, spec, attempt) else 0
+
+
+def _launcher_failed(run_dir: str, err: Exception, supervisor: _Supervisor) -> int:
+    """Record the launcher's own failure (state, event), end the trainer, seal what exists; its exit code."""
+    traceback.print_exc()  # into launcher.log (a SLURM job's output): the bug report needs it
+    error = "%s: %s" % (type(err).__name__, err)
+    if supervisor.pgid:
+        _end_group(supervisor.pgid, supervisor.grace_s)
+    try:
+        event(run_dir, "launcher_error", error=error)
+        update_state(run_dir, status="failed", final=True, launcher_error=error, ended_at=now())
+        seal(run_dir)
+    except Exception:  # the run dir itself is broken: the traceback is all we can leave
+        traceback.print_exc()
+    return LAUNCHER_ERROR_EXIT
+
+
+def _end_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM a trainer that outlived its launcher's failure, SIGKILL after the grace time."""
+    _killpg(pgid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while _group_members(pgid) and time.time() < deadline:
+        time.sleep(0.05)
+    _killpg(pgid, signal.SIGKILL)
 
 
 def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:
@@ -249,7 +302,7 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
         if code is not None:
             state = read_json(run_file(run_dir, "state.json")) or {}
             outcome = {ALREADY_RUNNING_EXIT: "running", 0: "finished"}.get(code, "error")
-            return {"outcome": outcome, "state": state, "exit_code": code}
+            return {"outcome": outcome, "state": state, "exit_code": code, "error": state.get("launcher_error", "")}
         time.sleep(0.02)
     return {"outcome": "error", "state": state, "error": "launcher did not start in time"}
 

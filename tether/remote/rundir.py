@@ -6,16 +6,30 @@ Stdlib only, Python >= 3.8 (copied to the far side with the launcher). Every wri
 from __future__ import annotations
 
 import fcntl
-import glob
+import fnmatch
 import json
 import os
+import posixpath
+import re
+import stat
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote.fileio import atomic_write_json, read_json, sha256_file
+from tether.remote.fileio import atomic_write_json, read_json, sha256_regular
 from tether.trainers.runtime import latest_checkpoint
 
 FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
+
+# Tether's own files at the top of a run dir. The sealed ones are always in the manifest; the private
+# ones never are (launch_env.json holds the backend's secrets, mode 0600). Config validation refuses
+# an artifact pattern that names any of them, and the seal refuses any match of a private one.
+SEALED_FILES = ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
+PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested",
+                 "PULL_MANIFEST.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out")
+TETHER_FILES = SEALED_FILES + PRIVATE_FILES
+MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem
+MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
+NOT_REGULAR = "not a regular file (a folder, pipe, socket or device)"
 
 def is_final(state: Dict[str, Any]) -> bool:
     """Whether the run has ended for good: it is never launched again, and its manifest is sealed."""
@@ -27,6 +41,8 @@ def decide_final(status: str, spec: Dict[str, Any], attempt: int) -> bool:
     restart = spec.get("restart") or {}
     if status == "failed":
         return not (restart.get("policy") == "on-failure" and attempt <= int(restart.get("max_restarts", 0)))
+    if status == "preempted" and "restart" in spec:  # a hand-made run.json without a policy stays open
+        return not restart_allowed(status, spec, attempt)  # nobody will resume it: seal what it saved
     return status in FINAL
 
 
@@ -99,23 +115,164 @@ def restart_allowed(status: str, spec: Dict[str, Any], attempt: int) -> bool:
     return wanted and attempt - 1 < most
 
 
-def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, List[str]]:
-    """The files the manifest lists, and the declared artifacts that matched nothing."""
-    files = [n for n in ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
-             if os.path.isfile(run_file(run_dir, n))]
+# ---------------------------------------------------------------- the roster: what the seal lists
+
+
+def is_private(relpath: str) -> bool:
+    """Whether a run-dir path is one of tether's private files (or its temporary twin): never sealed."""
+    if "/" in relpath:
+        return False
+    name = re.sub(r"\.tmp-\d+$", "", relpath.lstrip("."))  # atomic writes' temporary names
+    return any(fnmatch.fnmatchcase(name, private) for private in PRIVATE_FILES)
+
+
+def artifact_path(pattern: str) -> Optional[str]:
+    """An artifact pattern (relative to artifacts/) as a run-dir path; None when it leaves the run dir."""
+    pattern = pattern.replace("\\", "/")
+    if posixpath.isabs(pattern):
+        return None
+    relpath = posixpath.normpath(posixpath.join("artifacts", pattern))
+    return None if relpath == ".." or relpath.startswith("../") else relpath
+
+
+def artifact_problem(pattern: str) -> str:
+    """Why an artifact pattern cannot be sealed, as a sentence naming the fix ('' when it can)."""
+    fix = "list paths relative to the run's artifacts/ folder (TETHER_ARTIFACTS_DIR) where the trainer writes them"
+    relpath = artifact_path(pattern)
+    if not pattern.strip():
+        return "artifact %r is empty: %s" % (pattern, fix)
+    if relpath is None:
+        where = "an absolute path" if posixpath.isabs(pattern.replace("\\", "/")) else "outside the run folder"
+        return "artifact %r is %s: %s" % (pattern, where, fix)
+    owned = [name for name in TETHER_FILES if _matches(name.replace("*", "0").split("/"), relpath.split("/"))]
+    if owned:
+        return "artifact %r names tether's own run file %s (never an artifact): %s" % (pattern, owned[0], fix)
+    return ""
+
+
+def _matches(parts: List[str], segments: List[str]) -> bool:
+    """glob.glob's rules on split paths: `*` stays in one folder, `**` spans folders, wildcards skip dotfiles."""
+    if not segments:
+        return not parts
+    head = segments[0]
+    if head == "**":
+        return _matches(parts, segments[1:]) or (
+            bool(parts) and not parts[0].startswith(".") and _matches(parts[1:], segments))
+    if not parts:
+        return False
+    if MAGIC.search(head):
+        fits = fnmatch.fnmatchcase(parts[0], head) and (head.startswith(".") or not parts[0].startswith("."))
+    else:
+        fits = parts[0] == head
+    return fits and _matches(parts[1:], segments[1:])
+
+
+def _link(run_dir: str, relpath: str) -> Dict[str, str]:
+    """The refusal of a symlink: its target is named, never followed."""
+    target = os.readlink(run_file(run_dir, relpath))
+    return {"path": relpath, "reason": "a symlink to %s: links are never followed or pulled; "
+                                       "have the trainer write the file itself" % target}
+
+
+def _kind(run_dir: str, relpath: str) -> Tuple[str, str]:
+    """(missing|link|dir|file|other, the path it names) walking each component without following links."""
+    parts = relpath.split("/")
+    for depth in range(1, len(parts) + 1):
+        prefix = "/".join(parts[:depth])
+        try:
+            mode = os.lstat(run_file(run_dir, prefix)).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing", prefix
+        if stat.S_ISLNK(mode):
+            return "link", prefix
+        if depth < len(parts) and not stat.S_ISDIR(mode):
+            return "missing", prefix
+    kind = "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+    return kind, relpath
+
+
+def _find(run_dir: str, relpath: str, budget: List[int]) -> Tuple[List[str], List[Dict[str, str]]]:
+    """Regular files matching the run-dir pattern, and what was refused; never follows a link, stops at budget."""
+    segments = relpath.split("/")
+    base = []
+    for segment in segments:
+        if MAGIC.search(segment):
+            break
+        base.append(segment)
+    kind, named = _kind(run_dir, "/".join(base))
+    if kind == "link":
+        return [], [_link(run_dir, named)]
+    if kind == "dir":
+        return _walk(run_dir, named, segments, budget)
+    if kind == "missing" or not _matches(base, segments):
+        return [], []
+    return ([named], []) if kind == "file" else ([], [{"path": named, "reason": NOT_REGULAR}])
+
+
+def _walk(run_dir: str, base: str, segments: List[str], budget: List[int]) -> Tuple[List[str], List[Dict[str, str]]]:
+    """The bounded walk under one pattern's literal folder: links are refused where they match or lead on."""
+    depth = None if "**" in segments else len(segments) - len(base.split("/") if base else [])  # deepest match
+    found, refused, stack = [], [], [(base, 0)]
+    while stack:
+        folder, level = stack.pop()
+        try:
+            entries = os.scandir(run_file(run_dir, folder))
+        except OSError as err:  # unreadable: say so, and seal the rest
+            refused.append({"path": folder, "reason": "could not be listed: %s" % err})
+            continue
+        with entries:
+            for entry in entries:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    refused.append({"path": base, "reason": "more than %d entries: the seal stopped looking "
+                                                            "there; declare narrower artifacts" % MAX_WALK})
+                    return found, refused
+                relpath, deeper = posixpath.join(folder, entry.name), depth is None or level + 1 < depth
+                fits = _matches(relpath.split("/"), segments)
+                if entry.is_symlink():
+                    refused += [_link(run_dir, relpath)] if fits or deeper else []
+                elif entry.is_dir(follow_symlinks=False):
+                    stack += [(relpath, level + 1)] if deeper else []
+                elif fits and entry.is_file(follow_symlinks=False):
+                    found.append(relpath)
+                elif fits:
+                    refused.append({"path": relpath, "reason": NOT_REGULAR})
+    return found, refused
+
+
+def _fixed(run_dir: str, relpath: str) -> Tuple[List[str], List[Dict[str, str]]]:
+    """A file the roster always wants (logs, the latest checkpoint): listed if it is a regular file."""
+    kind, named = _kind(run_dir, relpath)
+    if kind == "link":
+        return [], [_link(run_dir, named)]
+    if kind in ("dir", "other"):
+        return [], [{"path": relpath, "reason": NOT_REGULAR}]
+    return ([relpath] if kind == "file" else []), []
+
+
+def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, Any]:
+    """The files the manifest lists, the declared artifacts that matched nothing, and what was refused."""
+    wanted = list(SEALED_FILES)
     latest = latest_checkpoint(run_file(run_dir, "checkpoints"))
-    if latest:
-        files.append(os.path.relpath(latest, run_dir))
+    wanted += [os.path.relpath(latest, run_dir)] if latest else []
     mapped = spec.get("checkpoint_path")
-    if mapped and os.path.isfile(run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))):
-        files.append(os.path.join("checkpoints", os.path.basename(mapped)))
-    artifacts, missing = run_file(run_dir, "artifacts"), []
+    wanted += [posixpath.join("checkpoints", posixpath.basename(mapped))] if mapped else []
+    files, missing, refused = [], [], []
+    for relpath in wanted:
+        listed, why = _fixed(run_dir, relpath)
+        files, refused = files + listed, refused + why
+    budget = [MAX_WALK]
     for pattern in spec.get("artifacts", []):
-        found = sorted(p for p in glob.glob(os.path.join(artifacts, pattern), recursive=True)
-                       if os.path.isfile(p))
-        missing += [] if found else [pattern]
-        files += [os.path.relpath(p, run_dir) for p in found]
-    return {"files": sorted(set(files)), "missing": missing}
+        problem = artifact_problem(pattern)
+        if problem:  # a run.json from before patterns were checked, or one made by hand
+            refused.append({"path": pattern, "reason": problem})
+            continue
+        found, why = _find(run_dir, artifact_path(pattern) or "", budget)
+        private = [{"path": p, "reason": "tether's own private file: never sealed"} for p in found if is_private(p)]
+        files += [p for p in found if not is_private(p)]
+        refused += why + private
+        missing += [] if found or why else [pattern]
+    return {"files": sorted(set(files)), "missing": missing, "refused": refused}
 
 
 def seal(run_dir: str) -> Dict[str, Any]:
@@ -126,13 +283,17 @@ def seal(run_dir: str) -> Dict[str, Any]:
         return existing
     spec = read_json(run_file(run_dir, "run.json")) or {}
     roster = _roster(run_dir, spec)
-    entries = []
+    entries, refused = [], roster["refused"]
     for name in roster["files"]:
-        digest, size = sha256_file(run_file(run_dir, name))
+        try:
+            digest, size = sha256_regular(run_file(run_dir, name))
+        except OSError as err:  # replaced by a link or a pipe since the walk, or unreadable
+            refused.append({"path": name, "reason": "could not be read: %s" % err})
+            continue
         entries.append({"path": name, "bytes": size, "sha256": digest})
     state = read_json(run_file(run_dir, "state.json")) or {}
     manifest = {"format": 1, "run_id": spec.get("run_id"), "status": state.get("status"),
-                "sealed_at": now(), "files": entries, "missing": roster["missing"],
+                "sealed_at": now(), "files": entries, "missing": roster["missing"], "refused": refused,
                 "artifacts": spec.get("artifacts", [])}
-    atomic_write_json(target, manifest)
+    atomic_write_json(target, manifest)  # no event after hashing: events.jsonl is in the manifest
     return manifest

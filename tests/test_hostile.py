@@ -313,6 +313,23 @@ def test_a_launcher_failure_is_reported_as_one_and_its_results_come_home(project
     assert [e["event"] for e in project.events(run_id)].count("launch") == 1  # never trained again
 
 
+
+def test_a_trainer_program_that_is_not_there_is_the_commands_fault_not_a_launcher_bug(project):
+    project.write_config(config_text(command="no-such-trainer-program --epochs 3", code="demo/train.py"))
+    first = project.doit("run", "train", timeout=120)
+    assert first.returncode != 0
+    assert "its trainer could not start: FileNotFoundError: " in first.stderr, first.stdout + first.stderr
+    assert "no-such-trainer-program" in first.stderr and "correct trainer.command" in first.stderr
+    assert "please report it" not in first.stderr and "rebooted" not in first.stderr
+    run_id = project.run_ids()[0]
+    state = json.loads((project.remote_run(run_id) / "state.json").read_text())
+    assert state["status"] == "failed" and state["final"] is True and "launcher_error" not in state
+    assert (project.remote_run(run_id) / "PULL_MANIFEST.json").is_file()  # sealed: the log comes home
+    pulled = project.doit("pull", timeout=120)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    log = (project.local_run(run_id) / "files" / "train.log").read_text()
+    assert "the trainer could not start" in log
+
 # (end of section: seal, artifacts, launcher failures)
 
 

@@ -284,6 +284,9 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
 def _ended_words(s: Session, snap: dict) -> str:
     """How a run that will not run again ended, for watch's last line: whose failure, what it left."""
     state = snap["state"]
+    if state.get("start_error"):
+        return (f"failed: its trainer could not start: {state['start_error']}: install the program on the "
+                f"far side (its PATH is the launcher's), or correct trainer.command")
     if state.get("launcher_error"):
         return (f"ended because the launcher failed: {state['launcher_error']} "
                 f"(launcher.log has the traceback; please report it)")

@@ -216,11 +216,14 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     argv = _trainer_command(spec, resume)
     supervisor.grace_s = float(spec.get("grace_seconds", 30))
     with open(run_file(run_dir, "train.log"), "ab") as log:
-        child = subprocess.Popen(
-            argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
-        )
+        try:
+            child = subprocess.Popen(
+                argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
+            )
+        except OSError as err:  # no such program, or not executable: the command's fault, not ours
+            return _not_started(run_dir, log, err, attempt)
     supervisor.attach(child.pid)
     update_state(
         run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
@@ -245,6 +248,18 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     # never after a TERM: that is scancel (the user's will) or a scheduler that requeues by itself.
     requeue = os.environ.get("SLURM_JOB_ID") and supervisor.signalled not in ("SIGTERM", "SIGINT", "SIGHUP")
     return REQUEUE_EXIT if requeue and restart_allowed(status, spec, attempt) else 0
+
+
+def _not_started(run_dir: str, log: Any, err: OSError, attempt: int) -> int:
+    """Record a trainer whose program could not be started (final: a restart would fail the same way)."""
+    error = "%s: %s" % (type(err).__name__, err)
+    log.write(("tether: the trainer could not start: %s\n" % error).encode())
+    log.flush()
+    event(run_dir, "exit", status="failed", exit_code=None, attempt=attempt, final=True, start_error=error)
+    update_state(run_dir, status="failed", final=True, exit_code=None, attempt=attempt, start_error=error,
+                 started_at=now(), ended_at=now(), pid=os.getpid())
+    seal(run_dir)
+    return 0
 
 
 def _launcher_failed(run_dir: str, err: Exception, supervisor: _Supervisor) -> int:

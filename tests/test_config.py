@@ -16,7 +16,7 @@ from tether import config
 from tether.backends import BACKEND_TYPES
 from tether.errors import ConfigError, RunError
 from tether.paths import check_run_id
-from tether.pipelines.session import VARIABLES, check_variables
+from tether.pipelines.session import BOOLEANS, VARIABLES, check_variables
 from tether.trainers.registry import TRAINER_TYPES
 
 # A clean job in the project the `project` fixture makes (demo/train.py and demo/points.csv exist).
@@ -477,7 +477,7 @@ def test_unmatched_acknowledgement_fails_strict(project):
 
 
 def test_check_variables_unit():
-    check_variables({name: "x" for name in VARIABLES})  # every known one passes
+    check_variables({name: "1" if name in BOOLEANS else "x" for name in VARIABLES})  # every known one passes
     with pytest.raises(ConfigError) as caught:
         check_variables({"backnd": "local", "run": "a1", "strickt": "1"})
     problems = caught.value.problems

@@ -172,8 +172,14 @@ def _coerce(value: Any, hint: Any, where: str, problems: Problems, key: str) -> 
         return value
     elif hint is Any:
         return value
-    problems.error(where, "%s: expected %s, got %r" % (key, _type_name(hint), value))
+    problems.error(where, "%s: expected %s, got %s" % (key, _type_name(hint), _shown(value)))
     return None
+
+
+def _shown(value: Any) -> str:
+    """repr of `value`, cut to one short line: an error must not quote a whole list back."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:80] + " ... " + text[-15:]
 
 
 def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str, ...] = ()) -> Any:
@@ -273,6 +279,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # every check below walks it: bound what the document reaches, with aliases counted each time.
 MAX_VALUES = 100_000
 MAX_TEXT_CHARS = 10 << 20
+MAX_FLOW_DEPTH = 64  # a config nests a few levels; ruamel slows down (and then crashes) far below 1 MiB of [
 
 
 def read_text(path: str) -> str:
@@ -306,6 +313,7 @@ def parse_yaml(path: str) -> Any:
     from ruamel.yaml.reader import ReaderError
 
     text = read_text(path)
+    _check_flow_depth(text, path)
     try:
         document = YAML(typ="rt").load(text)
     except ReaderError as err:  # a control character: its position is a character offset into `text`
@@ -316,7 +324,7 @@ def parse_yaml(path: str) -> Any:
         mark = getattr(err, "problem_mark", None)
         line = ":%d" % (mark.line + 1) if mark else ""
         raise ConfigError("%s%s: error: not valid YAML: %s" % (path, line, getattr(err, "problem", err)))
-    except RecursionError:  # ruamel's composer recurses once per level of [ or {
+    except RecursionError:  # ruamel's composer recurses once per level (here: indented blocks)
         raise ConfigError("%s: error: not a config: nested hundreds of levels deep: flatten it" % path)
     except ValueError as err:  # e.g. an integer of more than 4300 digits
         raise ConfigError("%s: error: not valid YAML: %s: shorten that value" % (path, str(err).split(";")[0]))
@@ -324,6 +332,31 @@ def parse_yaml(path: str) -> Any:
         raise ConfigError("%s: error: the file must be a YAML mapping (name:, trainer:, backends:, ...)" % path)
     _check_expansion(document, Problems(path))
     return document
+
+
+def _check_flow_depth(text: str, path: str) -> None:
+    """Refuse [ and { nested more than MAX_FLOW_DEPTH deep, before ruamel sees them: its scanner
+    rechecks every open level at every token (1000 levels on one line: 6 s), then recurses."""
+    if text.count("[") + text.count("{") <= MAX_FLOW_DEPTH:
+        return  # every real config: nothing to scan
+    depth, opens, structural, index = 0, 0, True, 0
+    while index < len(text):
+        char = text[index]
+        if char in "[{" and structural:  # a collection starts only where a value may start
+            depth += 1
+            if depth > MAX_FLOW_DEPTH:
+                raise ConfigError("%s:%d: error: not a config: [ and { nested more than %d deep: flatten it"
+                                  % (path, text.count("\n", 0, index) + 1, MAX_FLOW_DEPTH))
+        elif char in "]}":
+            depth, structural = max(depth - 1, 0), False
+        elif char in "&!" and structural:  # an anchor or tag before a collection: skip its name
+            while index + 1 < len(text) and not text[index + 1].isspace() and text[index + 1] not in "[{":
+                index += 1
+        elif char in "\n:,-?":
+            structural = True
+        elif not char.isspace():
+            structural = False  # inside a scalar ('a[0]', "[[["), a [ is text
+        index += 1
 
 
 def _check_expansion(document: dict, problems: Problems) -> None:

@@ -135,7 +135,7 @@ def _type_name(hint: Any) -> str:
         return "a list of %ss" % _type_name(typing.get_args(hint)[0]).replace("a ", "", 1).replace("an ", "", 1)
     if origin is Union:
         return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
-    if origin is dict:
+    if origin is dict or hint is dict:
         return "a mapping"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(hint, str(hint))
 
@@ -244,10 +244,11 @@ def _typed_section(node: Any, registry: dict, what: str, problems: Problems, whe
     if "type" not in node:
         problems.error(problems.at(node), "%s needs a 'type' key; available: %s" % (what, ", ".join(sorted(registry))))
         return None
-    if kind not in registry:
+    if not isinstance(kind, str) or kind not in registry:  # a list or mapping is no type (nor hashable)
         problems.error(problems.at(node, "type") if "type" in node else problems.at(node),
-                       "unknown %s type %r%s; available: %s"
-                       % (what, kind, suggest(kind or "", registry), ", ".join(sorted(registry))))
+                       "unknown %s type %s%s; available: %s"
+                       % (what, _shown(kind), suggest(kind if isinstance(kind, str) else "", registry),
+                          ", ".join(sorted(registry))))
         return None
     cls = load_class(registry[kind] + ":Config")
     section = build(cls, node, problems, "%s (type %s)" % (what, kind))

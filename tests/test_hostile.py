@@ -102,7 +102,8 @@ CONFIG_INPUTS = [
                  f"tether.yaml:{CLEAN.count(chr(10)) + 1}: error: not a config: [ and {{ nested more than 64 deep: "
                  f"flatten it", id="deep-flow-nesting"),
     pytest.param(CLEAN.encode() + b"deep:\n" + b"- " * 5000 + b"x\n",
-                 "tether.yaml: error: not a config: nested hundreds of levels deep: flatten it", id="deep-block-nesting"),
+                 "tether.yaml: error: not a config: nested hundreds of levels deep: flatten it",
+                 id="deep-block-nesting"),
     pytest.param(_edited("  type: command", "  type: [command]").encode(),
                  f"tether.yaml:{_line(CLEAN, 'type: command')}: error: unknown trainer type ['command']; available: ",
                  id="trainer-type-a-list"),

@@ -16,7 +16,7 @@ from tether import config
 from tether.backends import BACKEND_TYPES
 from tether.errors import ConfigError, RunError
 from tether.paths import check_run_id
-from tether.pipelines.session import VARIABLES, check_variables
+from tether.pipelines.session import BOOLEANS, VARIABLES, check_variables, flag
 from tether.trainers.registry import TRAINER_TYPES
 
 # A clean job in the project the `project` fixture makes (demo/train.py and demo/points.csv exist).
@@ -477,7 +477,7 @@ def test_unmatched_acknowledgement_fails_strict(project):
 
 
 def test_check_variables_unit():
-    check_variables({name: "x" for name in VARIABLES})  # every known one passes
+    check_variables({name: "1" if name in BOOLEANS else "x" for name in VARIABLES})  # every known one passes
     with pytest.raises(ConfigError) as caught:
         check_variables({"backnd": "local", "run": "a1", "strickt": "1"})
     problems = caught.value.problems
@@ -613,3 +613,42 @@ def test_validate_does_not_create_runs(project):
     project.write_config(NO_ARTIFACTS)
     assert project.doit("validate").returncode == 0
     assert_no_run(project)
+
+
+# ------------------------------------------------------------------ limits a real config stays far below
+
+
+def test_size_cap_lets_a_file_of_exactly_the_cap_through(project):
+    data = BASE.encode()
+    (project.root / "tether.yaml").write_bytes(data + b"#" * (config.MAX_CONFIG_BYTES - len(data)))
+    assert config.load(str(project.root / "tether.yaml")).name == "demo"
+    (project.root / "tether.yaml").write_bytes(data + b"#" * (config.MAX_CONFIG_BYTES - len(data) + 1))
+    with pytest.raises(ConfigError) as caught:
+        config.load(str(project.root / "tether.yaml"))
+    assert "larger than 1024 KiB" in caught.value.problems[0]
+
+
+def test_aliases_within_the_caps_still_work(project):
+    # An anchored env shared by two backends, and a sweep nested a few levels: what aliases are for.
+    lab = "{type: ssh, host: lab-a, env: &shared {OMP_PLACES: cores, SEED: 7, FAST: true}}"
+    text = edit("  local: {type: local}\n", f"  a: {lab}\n  b: {{type: ssh, host: lab-b, env: *shared}}\n",
+                edit("backend: local", "backend: a"))
+    job = load_text(project, text)
+    assert job.backends["a"].env == job.backends["b"].env == {"OMP_PLACES": "cores", "SEED": 7, "FAST": True}
+
+
+@pytest.mark.parametrize("word, value", [("1", True), ("yes", True), ("TRUE", True), ("On", True),
+                                         ("0", False), ("no", False), ("False", False), ("OFF", False)])
+def test_flag_reads_the_usual_boolean_words(word, value):
+    assert flag({"strict": word}, "strict") is value
+    check_variables({"strict": word})
+
+
+@pytest.mark.parametrize("word", ["maybe", "", "2", "y", "enabled"])
+def test_flag_refuses_any_other_word(word):
+    assert flag({}, "json") is False  # absent is no
+    with pytest.raises(ConfigError) as caught:
+        flag({"json": word}, "json")
+    assert caught.value.problems == [f"json={word}: use 1/0, yes/no, true/false or on/off"]
+    with pytest.raises(ConfigError):
+        check_variables({"json": word})

@@ -135,7 +135,7 @@ def _type_name(hint: Any) -> str:
         return "a list of %ss" % _type_name(typing.get_args(hint)[0]).replace("a ", "", 1).replace("an ", "", 1)
     if origin is Union:
         return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
-    if origin is dict:
+    if origin is dict or hint is dict:
         return "a mapping"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(hint, str(hint))
 
@@ -172,8 +172,14 @@ def _coerce(value: Any, hint: Any, where: str, problems: Problems, key: str) -> 
         return value
     elif hint is Any:
         return value
-    problems.error(where, "%s: expected %s, got %r" % (key, _type_name(hint), value))
+    problems.error(where, "%s: expected %s, got %s" % (key, _type_name(hint), _shown(value)))
     return None
+
+
+def _shown(value: Any) -> str:
+    """repr of `value`, cut to one short line: an error must not quote a whole list back."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:80] + " ... " + text[-15:]
 
 
 def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str, ...] = ()) -> Any:
@@ -198,6 +204,8 @@ def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str,
         if test and coerced is not None and not test[0](coerced):
             problems.error(at, "%s %s (got %r)" % (key, test[1], coerced))
             continue
+        if key in SCALAR_MAPPINGS and not _scalars_only(value, key, where, problems):
+            continue
         values[key] = coerced
     missing = [n for n, f in fields.items() if n not in values and n in public and n not in skip
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -209,6 +217,24 @@ def build(cls: type, node: Any, problems: Problems, where: str, skip: tuple[str,
     return cls(**values)
 
 
+SCALAR_MAPPINGS = ("env",)  # environment variables are text: a trainer's or a backend's env: holds scalars
+
+
+def _scalars_only(node: dict, key: str, where: str, problems: Problems) -> bool:
+    """Whether every value of the mapping `node` is a string, number or true/false (errors at each line)."""
+    ok = True
+    for name, value in node.items():
+        if isinstance(value, (str, int, float)):  # bool is an int
+            continue
+        ok = False
+        kind = ("nothing" if value is None else "a list" if isinstance(value, list)
+                else "a mapping" if isinstance(value, dict) else "a tagged value")
+        fix = "give a value (\"\" for empty) or remove it" if value is None else "give one string, e.g. \"a b\""
+        problems.error(problems.at(node, name), "%s %r in %s: expected a string, number or true/false, got %s "
+                       "(environment variables are text): %s" % (key, str(name), where, kind, fix))
+    return ok
+
+
 def _typed_section(node: Any, registry: dict, what: str, problems: Problems, where: str) -> Any:
     """A section whose `type:` picks its dataclass from `registry` (lazy 'module:Class')."""
     if not isinstance(node, dict):
@@ -218,18 +244,25 @@ def _typed_section(node: Any, registry: dict, what: str, problems: Problems, whe
     if "type" not in node:
         problems.error(problems.at(node), "%s needs a 'type' key; available: %s" % (what, ", ".join(sorted(registry))))
         return None
-    if kind not in registry:
+    if not isinstance(kind, str) or kind not in registry:  # a list or mapping is no type (nor hashable)
         problems.error(problems.at(node, "type") if "type" in node else problems.at(node),
-                       "unknown %s type %r%s; available: %s"
-                       % (what, kind, suggest(kind or "", registry), ", ".join(sorted(registry))))
+                       "unknown %s type %s%s; available: %s"
+                       % (what, _shown(kind), suggest(kind if isinstance(kind, str) else "", registry),
+                          ", ".join(sorted(registry))))
         return None
     cls = load_class(registry[kind] + ":Config")
     section = build(cls, node, problems, "%s (type %s)" % (what, kind))
     for message in section.problems() if section is not None else ():
-        problems.error(problems.at(node), message)
+        problems.error(_key_at(problems, node, message), message)
     for message in getattr(section, "warnings", lambda: [])() if section is not None else ():
         problems.warn(problems.at(node), f"{what}: {message}")
     return section
+
+
+def _key_at(problems: Problems, node: Any, message: str) -> str:
+    """file:line of the key a section's problem starts with ('trainer.command ...', 'host ...'), else the section's."""
+    word = message.split(" ", 1)[0].rstrip(":").removeprefix("trainer.")
+    return problems.at(node, word) if word in node else problems.at(node)
 
 
 def load_class(location: str) -> Any:
@@ -240,23 +273,113 @@ def load_class(location: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+# A config is a few KB. ruamel's round-trip loader needs about 2.5 s and 16 MB per MiB (a 50 MB
+# file took 122 s and 790 MB), so a file far above any config is refused before it is parsed.
+MAX_CONFIG_BYTES = 1 << 20
+# Aliases make a small file big once walked (billion laughs: 30 lines reach 10**9 values), and
+# every check below walks it: bound what the document reaches, with aliases counted each time.
+MAX_VALUES = 100_000
+MAX_TEXT_CHARS = 10 << 20
+MAX_FLOW_DEPTH = 64  # a config nests a few levels; ruamel takes seconds on 1000 levels of [, then crashes
+
+
+def read_text(path: str) -> str:
+    """The config file's text: a readable, not too big, UTF-8 file, else one ConfigError naming the fix."""
+    if os.path.isdir(path):
+        raise ConfigError("%s: error: is a directory: pass config=PATH to a YAML file" % path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)  # read no more than the cap: config=/dev/zero ends too
+    except FileNotFoundError:
+        raise ConfigError("%s: no such config file: pass config=PATH or create tether.yaml" % path)
+    except OSError as err:
+        raise ConfigError("%s: error: cannot read the config (%s): pass config=PATH to a file you can read"
+                          % (path, err.strerror or err))
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("%s: error: larger than %d KiB, far more than a config needs: is config= the "
+                          "right file? (list data files under data: paths:, do not paste them)"
+                          % (path, MAX_CONFIG_BYTES >> 10))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError("%s:%d: error: not UTF-8 (byte 0x%02x at offset %d): save the file as UTF-8"
+                          % (path, line, data[err.start], err.start))
+
+
 def parse_yaml(path: str) -> Any:
     """The YAML document in `path`, with line numbers kept."""
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
+    from ruamel.yaml.reader import ReaderError
 
+    text = read_text(path)
+    _check_flow_depth(text, path)
     try:
-        with open(path, encoding="utf-8") as f:
-            document = YAML(typ="rt").load(f)
-    except FileNotFoundError:
-        raise ConfigError("%s: no such config file: pass config=PATH or create tether.yaml" % path)
+        document = YAML(typ="rt").load(text)
+    except ReaderError as err:  # a control character: its position is a character offset into `text`
+        line = text.count("\n", 0, err.position) + 1
+        raise ConfigError("%s:%d: error: not valid YAML: character %r is not allowed: remove it"
+                          % (path, line, chr(err.character) if isinstance(err.character, int) else err.character))
     except YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = ":%d" % (mark.line + 1) if mark else ""
         raise ConfigError("%s%s: error: not valid YAML: %s" % (path, line, getattr(err, "problem", err)))
+    except RecursionError:  # ruamel's composer recurses once per level (here: indented blocks)
+        raise ConfigError("%s: error: not a config: nested hundreds of levels deep: flatten it" % path)
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise ConfigError("%s: error: not valid YAML: %s: shorten that value" % (path, str(err).split(";")[0]))
     if not isinstance(document, dict):
         raise ConfigError("%s: error: the file must be a YAML mapping (name:, trainer:, backends:, ...)" % path)
+    _check_expansion(document, Problems(path))
     return document
+
+
+def _check_flow_depth(text: str, path: str) -> None:
+    """Refuse [ and { nested more than MAX_FLOW_DEPTH deep, before ruamel sees them: its scanner
+    rechecks every open level at every token (1000 levels on one line: 6 s), then recurses."""
+    if text.count("[") + text.count("{") <= MAX_FLOW_DEPTH:
+        return  # every real config: nothing to scan
+    depth, structural, index = 0, True, 0
+    while index < len(text):
+        char = text[index]
+        if char in "[{" and structural:  # a collection starts only where a value may start
+            depth += 1
+            if depth > MAX_FLOW_DEPTH:
+                raise ConfigError("%s:%d: error: not a config: [ and { nested more than %d deep: flatten it"
+                                  % (path, text.count("\n", 0, index) + 1, MAX_FLOW_DEPTH))
+        elif char in "]}":
+            depth, structural = max(depth - 1, 0), False
+        elif char in "&!" and structural:  # an anchor or tag before a collection: skip its name
+            while index + 1 < len(text) and not text[index + 1].isspace() and text[index + 1] not in "[{":
+                index += 1
+        elif char in "\n:,-?":
+            structural = True
+        elif not char.isspace():
+            structural = False  # inside a scalar ('a[0]', "[[["), a [ is text
+        index += 1
+
+
+def _check_expansion(document: dict, problems: Problems) -> None:
+    """Refuse a document that reaches more than MAX_VALUES values or MAX_TEXT_CHARS characters."""
+    values = chars = 0
+    for key in document:
+        stack = [key, document[key]]
+        while stack:
+            node = stack.pop()
+            values += 1
+            if isinstance(node, dict):
+                stack.extend(node.keys())
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+            elif isinstance(node, str):
+                chars += len(node)
+            if values > MAX_VALUES or chars > MAX_TEXT_CHARS:
+                what = "%d values" % MAX_VALUES if values > MAX_VALUES else "%d MiB of text" % (MAX_TEXT_CHARS >> 20)
+                raise ConfigError("%s: error: the config expands to more than %s (YAML aliases?): an alias "
+                                  "(*name) repeats all its anchor (&name) holds; alias less, or write "
+                                  "the values out" % (problems.at(document, key), what))
 
 
 def load(path: str, backend: Optional[str] = None, files: bool = True) -> Job:

@@ -247,6 +247,38 @@ class Backend(BaseBackend):
         return super().teardown(run)
 
 
+def ssh_command(cfg: Config) -> str:
+    """The OpenSSH command that connects as tether does (the same host, port, user, key and files)."""
+    words = ["ssh", "-o", "BatchMode=yes"]  # BatchMode: fail where a prompt would hang tether
+    if cfg.ssh_config:
+        words += ["-F", cfg.ssh_config]
+    if cfg.known_hosts:
+        words += ["-o", f"UserKnownHostsFile={cfg.known_hosts}"]
+    if cfg.port:
+        words += ["-p", str(cfg.port)]
+    if cfg.identity_file:
+        words += ["-i", cfg.identity_file]
+    words.append(f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host)
+    return " ".join(_shell_word(w) for w in words + ["true"])
+
+
+def _shell_word(word: str) -> str:
+    """`word` quoted for a shell, a leading ~/ left bare so the shell still expands it."""
+    if word.startswith("~/") and len(word) > 2:
+        return "~/" + shlex.quote(word[2:])
+    return shlex.quote(word)
+
+
+def auth_hint(cfg: Config, where: str) -> str:
+    """Authentication failed: the exact command that must work, and what to change."""
+    if cfg.identity_file:
+        fix = (f"put {cfg.identity_file}.pub into the far side's ~/.ssh/authorized_keys "
+               f"(ssh-copy-id), or set identity_file: to a key it accepts")
+    else:
+        fix = "set identity_file:, or load the key with ssh-add"
+    return f"{where}: authentication failed: `{ssh_command(cfg)}` must work without a prompt: {fix}"
+
+
 def explain(err: BaseException, cfg: Config, waited: float) -> BackendError:
     """One tether error, naming the fix, for whatever the connection raised."""
     import asyncio
@@ -260,8 +292,7 @@ def explain(err: BaseException, cfg: Config, waited: float) -> BackendError:
                             f"A changed key: find out why before you remove the old entry")
     if isinstance(err, asyncssh.PermissionDenied) or isinstance(err, PermissionError) or \
             isinstance(err.__cause__, asyncssh.PermissionDenied):  # sshfs turns it into PermissionError
-        return BackendError(f"{where}: authentication failed: `ssh {cfg.host} true` must work without a "
-                            f"prompt: set identity_file:, or load the key with ssh-add")
+        return BackendError(auth_hint(cfg, where))
     if isinstance(err, asyncssh.KeyImportError):
         return BackendError(f"{where}: cannot use the key ({err}): an encrypted key needs ssh-agent (ssh-add it)")
     if isinstance(err, (asyncio.TimeoutError, TimeoutError)) or "timed out" in str(err).lower():

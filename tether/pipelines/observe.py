@@ -11,7 +11,7 @@ from typing import Any, Optional
 from tether import manifest
 from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
-from tether.pipelines.session import Session
+from tether.pipelines.session import Session, flag
 
 class EventReader:
     """Reads events.jsonl from where it left off; only whole lines count."""
@@ -91,7 +91,7 @@ def queue_text(snap: dict) -> Optional[str]:
 def status(s: Session) -> None:
     run = s.observed()
     info = summary(s, run, s.snapshot(run, fresh=True))
-    if s.variables.get("json"):
+    if flag(s.variables, "json"):
         print(json.dumps(info, sort_keys=True))
         return
     print(f"{info['run_id']}: {info['status']}")
@@ -120,7 +120,7 @@ def sweep_status(s: Session) -> None:
     verified = sum(r["verified"] for r in rows)
     line = (f"{len(rows)} points: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
             + f"; {verified} verified here")
-    if s.variables.get("json"):
+    if flag(s.variables, "json"):
         print(json.dumps({"points": rows, "summary": line}, sort_keys=True))
         return
     width = max(len(r["point"]) for r in rows)
@@ -168,7 +168,7 @@ def check(s: Session) -> Optional[str]:
     s.backend.install_launcher()
     s.backend.prepare()
     report = s.backend.check(s.job.trainer.requires())
-    print(json.dumps(report.as_dict(), sort_keys=True) if s.variables.get("json") else report.text())
+    print(json.dumps(report.as_dict(), sort_keys=True) if flag(s.variables, "json") else report.text())
     if not report.ready:
         raise BackendError(f"backend {s.job.backend} is not ready: fix the checks marked NO")
     return None

@@ -35,12 +35,38 @@ RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_has
                  "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of")
 
 
+BOOLEANS = ("confirm", "json", "strict")  # the variables that say yes or no
+YES, NO = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
+
+
 def check_variables(variables: dict[str, str]) -> None:
-    """Refuse `key=value` words tether does not know (a typo would otherwise be ignored)."""
-    unknown = [k for k in variables if k not in VARIABLES]
-    if unknown:
-        raise ConfigError([f"unknown variable {k}={variables[k]!r}{suggest(k, VARIABLES)}; tether "
-                           f"takes: {', '.join(VARIABLES)}" for k in unknown])
+    """Refuse `key=value` words tether does not know (a typo would otherwise be ignored), and a
+    yes-or-no variable whose word is neither."""
+    unknown = [f"unknown variable {k}={variables[k]!r}{suggest(k, VARIABLES)}; tether takes: "
+               f"{', '.join(VARIABLES)}" for k in variables if k not in VARIABLES]
+    unclear = [_flag_problem(k, variables[k]) for k in BOOLEANS if k in variables]
+    found = unknown + [p for p in unclear if p]
+    if found:
+        raise ConfigError(found)
+
+
+def _flag_problem(name: str, word: str) -> str:
+    """Why `name=word` is not a yes or a no ('' when it is one)."""
+    if str(word).strip().lower() in YES + NO:
+        return ""
+    return f"{name}={word}: use 1/0, yes/no, true/false or on/off"
+
+
+def flag(variables: dict[str, str], name: str) -> bool:
+    """The yes-or-no variable `name` (absent: no); any word but the usual ones is refused, so
+    `strict=on` is strict and `json=0` is not JSON."""
+    word = variables.get(name)
+    if word is None:
+        return False
+    problem = _flag_problem(name, word)
+    if problem:
+        raise ConfigError(problem)
+    return str(word).strip().lower() in YES
 
 
 def open_backend(job: Job, state_dir: str) -> Backend:

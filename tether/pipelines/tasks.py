@@ -18,7 +18,7 @@ from tether import config as config_mod
 from tether import sweep
 from tether.errors import ConfigError, TetherError
 from tether.pipelines import observe, phases, repro, report, results
-from tether.pipelines.session import Session, check_variables
+from tether.pipelines.session import Session, check_variables, flag
 
 DOIT_CONFIG = {
     "default_tasks": ["train"],  # never `down`: a bare `doit` must not tear anything down
@@ -169,7 +169,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                     uptodate=[done(opener, phases.pulled_done)], task_dep=[f"watch:{label}" if label else "watch"])
 
     def down(opener: Opener, label: str) -> dict:
-        confirm = lambda s: phases.down(s, s.variables.get("confirm") == "yes")  # noqa: E731
+        confirm = lambda s: phases.down(s, flag(s.variables, "confirm"))  # noqa: E731
         return dict(actions=[action(opener, confirm)])
 
     def whole(doc: str, phase: Callable, sweep_phase: Callable, **extra: Any) -> Callable[[], dict]:
@@ -229,7 +229,7 @@ def validate(variables: Callable[[], dict[str, str]]) -> Any:
         return TaskFailed(f"{len(err.problems)} error(s) in the config or the command line")
     for warning in job.warnings:
         print(warning)
-    if job.warnings and found.get("strict") in ("1", "yes", "true"):
+    if job.warnings and flag(found, "strict"):
         return TaskFailed(f"{len(job.warnings)} warning(s) and strict=1: fix them or acknowledge them "
                           f"under validation: acknowledge:")
     points = f"; a sweep of {len(sweep.points(job.sweep))} points" if job.sweep else ""

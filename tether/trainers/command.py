@@ -7,6 +7,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from tether.errors import ConfigError
+
 RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
 
 
@@ -29,10 +31,20 @@ class Config:
         """Python modules the far side must have (the command's own needs are its business)."""
         return ()
 
+    def argv(self) -> list[str]:
+        """The command's words, split as a POSIX shell would; ConfigError for unbalanced quotes."""
+        if not isinstance(self.command, str):
+            return list(self.command)
+        try:
+            return shlex.split(self.command)
+        except ValueError as err:  # "No closing quotation" or "No escaped character" (a trailing \\)
+            fix = "balance the quotes" if "quotation" in str(err) else "remove the trailing backslash"
+            raise ConfigError(f"trainer.command: {err}: {self.command!r}: {fix}, or give the command "
+                              f"as a list of words")
+
     def launch_spec(self) -> dict:
         """What the launcher needs to start this trainer (stored in run.json)."""
-        argv = shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
-        return {"argv": argv, "resume_args": list(self.resume_args),
+        return {"argv": self.argv(), "resume_args": list(self.resume_args),
                 "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
 
     def sweep_problems(self, keys: list[str]) -> list[str]:
@@ -55,8 +67,12 @@ class Config:
 
     def problems(self) -> list[str]:
         """What is wrong with this section beyond types (empty when nothing is)."""
+        try:
+            argv = self.argv()
+        except ConfigError as err:
+            return err.problems
         found = []
-        if not self.launch_spec()["argv"]:
+        if not argv:
             found.append("trainer.command is empty: give the program to run, e.g. \"{python} train.py\"")
         if self.checkpoint and (self.checkpoint.startswith("/") or ".." in self.checkpoint.split("/")):
             found.append("trainer.checkpoint must be a path inside the code snapshot, not %r" % self.checkpoint)

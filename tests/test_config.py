@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import config_text
-from tether import config
+from tether import config, yamlfile
 from tether.backends import BACKEND_TYPES
 from tether.errors import ConfigError, RunError
 from tether.paths import check_run_id
@@ -620,9 +620,9 @@ def test_validate_does_not_create_runs(project):
 
 def test_size_cap_lets_a_file_of_exactly_the_cap_through(project):
     data = BASE.encode()
-    (project.root / "tether.yaml").write_bytes(data + b"#" * (config.MAX_CONFIG_BYTES - len(data)))
+    (project.root / "tether.yaml").write_bytes(data + b"#" * (yamlfile.MAX_CONFIG_BYTES - len(data)))
     assert config.load(str(project.root / "tether.yaml")).name == "demo"
-    (project.root / "tether.yaml").write_bytes(data + b"#" * (config.MAX_CONFIG_BYTES - len(data) + 1))
+    (project.root / "tether.yaml").write_bytes(data + b"#" * (yamlfile.MAX_CONFIG_BYTES - len(data) + 1))
     with pytest.raises(ConfigError) as caught:
         config.load(str(project.root / "tether.yaml"))
     assert "larger than 1024 KiB" in caught.value.problems[0]

@@ -148,6 +148,20 @@ def test_doit_prune_in_a_users_folder_refuses_and_deletes_nothing(project, reque
     assert _tree(far) == before
 
 
+def test_doit_prune_says_what_it_left_alone(project):
+    assert project.doit("check").returncode == 0  # tether creates (and marks) .tether/remote
+    far = project.root / ".tether" / "remote"
+    _plant(far, {"objects/notes.txt": MINE, f"objects/{OTHER}/{H}": MINE})
+    before = _tree(far / "objects")
+
+    prune = project.doit("prune")
+
+    assert prune.returncode == 0, prune.stdout + prune.stderr
+    assert "removed 0 unreferenced objects (0 bytes); kept 0; left alone 2 files under objects/ that tether " \
+           "did not write" in prune.stdout, prune.stdout
+    assert _tree(far / "objects") == before
+
+
 # What a remote_dir may hold when tether is pointed at it, and may adopt (writing its marker).
 ADOPTED_FOLDERS = [
     pytest.param(None, "created", id="no folder yet"),

@@ -72,7 +72,7 @@ def claim(remote_dir: str, version: str = "") -> None:
     os.makedirs(remote_dir, mode=0o700, exist_ok=True)
     foreign = _foreign(remote_dir)
     if foreign:
-        raise NotOurs("remote_dir %s is not empty and was not created by tether (it holds %s and no %s)%s"
+        raise NotOurs("remote_dir %s is not empty and was not created by tether (it holds %s; no %s)%s"
                       "a new or empty folder, or, if tether may own and prune everything in it, create "
                       "an empty file %s" % (remote_dir, ", ".join(foreign[:3]), MARKER, FIX, marker))
     how = "adopted (made by an older tether)" if os.listdir(remote_dir) else "created"

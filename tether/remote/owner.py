@@ -19,6 +19,7 @@ MARKER = ".tether-remote"  # JSON: what created or adopted the folder, when, whe
 # What tether itself writes directly in remote_dir. A remote_dir made by a tether older than the
 # marker holds only these (and always `tether/`, the first thing it wrote): it is adopted.
 LAYOUT = ("objects", "runs", "slurm", "tether", "venv")
+TRANSIENT = (MARKER, ".write-test-")  # a claim in flight, a preflight's write test (a killed one stays)
 VERSION = re.compile(r"^\.?[0-9a-f]{16}($|\.)")  # tether/<version>/ and its install temporaries
 FIX = ": point remote_dir at "  # in every refusal: how this side tells one from another failure
 # Folders that must never be a remote_dir: tether writes objects/ and runs/ in it, and prune and
@@ -75,14 +76,14 @@ def claim(remote_dir: str, version: str = "") -> None:
         raise NotOurs("remote_dir %s is not empty and was not created by tether (it holds %s; no %s)%s"
                       "a new or empty folder, or, if tether may own and prune everything in it, create "
                       "an empty file %s" % (remote_dir, ", ".join(foreign[:3]), MARKER, FIX, marker))
-    how = "adopted (made by an older tether)" if os.listdir(remote_dir) else "created"
+    how = "adopted (made by an older tether)" if "tether" in os.listdir(remote_dir) else "created"
     _write_marker(marker, {"by": "tether", "version": version, "how": how, "at": round(time.time(), 3),
                            "host": socket.gethostname(), "pid": os.getpid()})
 
 
 def _foreign(remote_dir: str) -> List[str]:
     """The entries of remote_dir that tether's own layout does not explain (sorted)."""
-    names = sorted(n for n in os.listdir(remote_dir) if not n.startswith(MARKER))  # a claim in flight
+    names = sorted(n for n in os.listdir(remote_dir) if not n.startswith(TRANSIENT))
     if not names:
         return []
     tether_dir = os.path.join(remote_dir, "tether")

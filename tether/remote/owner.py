@@ -23,9 +23,10 @@ TRANSIENT = (MARKER, ".write-test-")  # a claim in flight, a preflight's write t
 VERSION = re.compile(r"^\.?[0-9a-f]{16}($|\.)")  # tether/<version>/ and its install temporaries
 FIX = ": point remote_dir at "  # in every refusal: how this side tells one from another failure
 # Folders that must never be a remote_dir: tether writes objects/ and runs/ in it, and prune and
-# down delete under it. A home folder, and any folder that holds one, are refused too.
+# down delete under it. A home folder, and any folder that holds one, are refused too. (/tmp is
+# not listed: the slurm backend refuses it with its own reason, and claim() a non-empty one.)
 SYSTEM = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/mnt", "/media", "/opt",
-          "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/var/tmp",
+          "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/usr", "/var",
           "/Users", "/Volumes", "/private", "/System", "/Library", "/Applications")
 
 

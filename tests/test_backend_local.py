@@ -33,12 +33,12 @@ class TestLocalBackend(BackendContract):
 
     def test_remote_dir_defaults_under_the_state_dir_and_files_land_there(self, backend, tmp_path):
         assert backend.remote_dir == str(tmp_path / ".tether" / "remote")
+        assert backend.install_launcher() is True  # first: it claims remote_dir (an empty folder)
+        assert (Path(backend.remote_dir) / "tether" / backend.version / "tether" / "remote" / "launcher.py").is_file()
         fs = backend.filesystem()
         fs.makedirs("a", exist_ok=True)
         fs.pipe_file("a/b.txt", b"on disk")
         assert (tmp_path / ".tether" / "remote" / "a" / "b.txt").read_bytes() == b"on disk"
-        assert backend.install_launcher() is True
-        assert (Path(backend.remote_dir) / "tether" / backend.version / "tether" / "remote" / "launcher.py").is_file()
 
     def test_config_remote_dir_is_used(self, tmp_path, neutral_cwd):
         elsewhere = tmp_path / "far"

@@ -353,7 +353,7 @@ def test_check_reports_this_machine(tmp_path):
     found = machine.check({"remote_dir": str(tmp_path / "remote"), "require": ["json", "no_such_module_x"]})
     assert found["python_ok"] is True and found["writable"] is True
     assert found["free_mb"] > 1 and found["free_inodes"] > 0
-    assert os.listdir(tmp_path / "remote") == []  # its write test leaves nothing
+    assert os.listdir(tmp_path / "remote") == [".tether-remote"]  # its claim; its write test leaves nothing
     assert found["missing_modules"] == ["no_such_module_x"]
 
 

@@ -36,6 +36,7 @@ import pytest
 from conftest import config_text, ssh_config_text
 from helpers import Background, poll, sha256, stop_leftover_runs
 from sshd import SSHServer, free_port, keygen
+from tether.remote import owner
 
 DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
 
@@ -419,6 +420,7 @@ def test_push_clears_partial_uploads_a_killed_push_left(project, sshd, far):
     data = project.root / "demo" / "medium.bin"
     data.write_bytes(os.urandom(6 << 20))  # above transfer.SMALL: it travels by put_atomic
     sha = sha256(data)
+    owner.claim(str(far))  # a far side tether made (a killed push of its own left the partial file)
     leftover = far / "objects" / sha[:2] / f"{sha}.tmp-0123456789ab"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(data.read_bytes()[: 1 << 20])  # what a SIGKILLed upload leaves

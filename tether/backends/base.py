@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tether
-from tether.errors import BackendError
+from tether.errors import BackendError, RemoteCommandError
 from tether.paths import RunPaths
+from tether.remote import owner
 from tether.remote.fileio import tar_bytes
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
@@ -26,11 +27,16 @@ SHIPPED = (  # what the far side needs: the launcher, the runtime and what they 
     "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py",
     "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
+    "tether/remote/owner.py",
 )
 
 
-UNPACK = """import os, shutil, sys, tarfile, tempfile
-parent, version = sys.argv[1], sys.argv[2]
+OWNER = "tether/remote/owner.py"  # its source heads the install script: see UNPACK
+UNPACK = """
+remote_dir, version = sys.argv[1], sys.argv[2]
+claim(remote_dir, version)  # before anything is written there: tether's own folder, or none
+import shutil, tarfile, tempfile
+parent = os.path.join(remote_dir, "tether")
 os.makedirs(parent, mode=0o700, exist_ok=True)
 tmp = tempfile.mkdtemp(prefix="." + version + ".", dir=parent)
 tarfile.open(fileobj=sys.stdin.buffer, mode="r|").extractall(tmp)
@@ -40,6 +46,19 @@ try:
 except OSError:
     shutil.rmtree(tmp)  # another invocation installed the same version first
 """
+
+
+def unpack_script() -> str:
+    """The install script: owner.py's source (the ownership check, before the launcher is there), then UNPACK."""
+    with open(os.path.join(PACKAGE_ROOT, OWNER)) as f:
+        return f.read() + "\nimport sys\n" + UNPACK
+
+
+def raise_refusal(err: RemoteCommandError) -> None:
+    """Raise the far side's one-line refusal of a remote_dir tether does not own, if that is why `err` happened."""
+    lines = [line for line in err.stderr_tail.splitlines() if owner.FIX in line and line.startswith("remote_dir ")]
+    if lines:
+        raise BackendError(lines[-1]) from None
 
 
 def launcher_version() -> str:
@@ -152,7 +171,8 @@ class Backend:
         """Copy the launcher to remote_dir/tether/<version>/ unless it is there; True if copied.
 
         One command: a tar on stdin, unpacked by the far side's Python into a temporary folder
-        that is renamed into place, so a half-copied launcher never has the final name.
+        that is renamed into place, so a half-copied launcher never has the final name. It first
+        claims remote_dir (tether/remote/owner.py): a folder tether did not create is refused.
         """
         try:
             self.filesystem().info(f"tether/{self.version}/COMPLETE")
@@ -161,7 +181,11 @@ class Backend:
         except FileNotFoundError:
             pass
         archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in SHIPPED])
-        self._execute([self.base_python, "-c", UNPACK, f"{self.remote_dir}/tether", self.version], archive)
+        try:
+            self._execute([self.base_python, "-c", unpack_script(), self.remote_dir, self.version], archive)
+        except RemoteCommandError as err:
+            raise_refusal(err)
+            raise
         self._installed = True
         return True
 
@@ -212,8 +236,12 @@ class Backend:
         return ""
 
     def prune(self) -> dict:
-        """Remove far-side objects that no run references."""
-        return self.launcher("prune", self.remote_dir)
+        """Remove far-side objects that no run references (only ever in a remote_dir tether owns)."""
+        try:
+            return self.launcher("prune", self.remote_dir)
+        except RemoteCommandError as err:
+            raise_refusal(err)
+            raise
 
     def states(self, runs: list[RunPaths]) -> dict[str, dict]:
         """One snapshot per run, in one far-side round trip."""

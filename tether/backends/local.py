@@ -10,14 +10,15 @@ from typing import Any, Optional
 
 from tether.backends.base import Backend as BaseBackend
 from tether.errors import BackendError, RemoteCommandError
+from tether.remote import owner
 
 
 @dataclass(frozen=True)
 class Config:
     """backends: {NAME: {type: local, remote_dir: PATH, python: PATH}}
 
-    remote_dir defaults to .tether/remote in the working folder; python to the interpreter
-    running tether.
+    remote_dir defaults to .tether/remote in the working folder (a leading ~ is your home
+    folder); python to the interpreter running tether.
     """
 
     type: str = "local"
@@ -25,7 +26,11 @@ class Config:
     python: Optional[str] = None
 
     def problems(self) -> list[str]:
-        return []
+        if self.remote_dir is None:
+            return []
+        why = owner.unsafe(os.path.abspath(os.path.expanduser(self.remote_dir)), os.path.expanduser("~"))
+        return [f"remote_dir {self.remote_dir!r} is {why}{owner.FIX}a folder of its own, such as "
+                f"~/.cache/tether"] if why else []
 
 
 class Backend(BaseBackend):
@@ -35,7 +40,7 @@ class Backend(BaseBackend):
 
     @property
     def remote_dir(self) -> str:
-        return os.path.abspath(self.config.remote_dir or os.path.join(self.state_dir, "remote"))
+        return os.path.abspath(os.path.expanduser(self.config.remote_dir or os.path.join(self.state_dir, "remote")))
 
     @property
     def python(self) -> str:

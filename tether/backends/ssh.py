@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from tether.backends.base import Backend as BaseBackend
 from tether.errors import BackendError, RemoteCommandError
+from tether.remote import owner
 from tether.remote.fileio import atomic_write_json, read_json
 
 SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
@@ -52,7 +53,11 @@ class Connection:
         found = []
         if not self.host.strip() or self.host.startswith("-") or any(c.isspace() for c in self.host):
             found.append(f"host {self.host!r} is not a host name: give one that `ssh HOST true` reaches")
-        if not SAFE_DIR.fullmatch(self.remote_dir) or ".." in self.remote_dir.split("/"):
+        why = owner.unsafe(self.remote_dir if self.remote_dir.startswith(("/", "~")) else "~/" + self.remote_dir)
+        if why:  # a relative remote_dir is under the far side's home; normalised first: `//`, `~/.`
+            found.append(f"remote_dir {self.remote_dir!r} is {why}{owner.FIX}a folder of its own, such as "
+                         f"~/.cache/tether")
+        elif not SAFE_DIR.fullmatch(self.remote_dir) or ".." in self.remote_dir.split("/"):
             found.append(f"remote_dir {self.remote_dir!r}: use letters, digits and ._-/ (a leading ~/ "
                          f"is the far side's home), without '..'")
         if not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.python):

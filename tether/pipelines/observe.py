@@ -177,5 +177,7 @@ def check(s: Session) -> Optional[str]:
 def prune(s: Session) -> str:
     """Remove far-side objects that no run (on that backend) references any more."""
     found = s.backend.prune()
+    foreign = found["foreign"]  # files under objects/ that tether did not write: never removed
     return (f"backend {s.job.backend}: removed {found['removed']} unreferenced objects "
-            f"({found['bytes']} bytes); kept {found['kept']}")
+            f"({found['bytes']} bytes); kept {found['kept']}"
+            + (f"; left alone {foreign} files under objects/ that tether did not write" if foreign else ""))

@@ -261,7 +261,9 @@ def _writable(folder: str) -> bool:
 def check(settings: Dict[str, Any]) -> Dict[str, Any]:
     """The preflight: Python, disk and inodes under remote_dir, GPUs and the chosen one, modules."""
     remote_dir = settings["remote_dir"]
-    os.makedirs(remote_dir, mode=0o700, exist_ok=True)
+    from tether.remote.owner import claim
+
+    claim(remote_dir)  # creates remote_dir, or refuses a folder tether does not own
     fs = os.statvfs(remote_dir)
     report = {"python": "%d.%d.%d" % sys.version_info[:3], "python_ok": sys.version_info >= (3, 8),
               "executable": sys.executable, "writable": _writable(remote_dir),

@@ -8,15 +8,21 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import shutil
 import tarfile
 import time
+from stat import S_ISREG
 from typing import IO, Any, Dict, List, Optional
 
+from tether.remote import owner
 from tether.remote.fileio import CHUNK, atomic_write_json, read_json
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
 STALE_UPLOAD_S = 600  # a partial upload this old belongs to a push that was killed
+# objects/<first two>/<sha256>, or a partial upload of one: `receive` names it .tmp-<pid>, the
+# sftp upload .tmp-<12 hex> (tether/pipelines/transfer.py)
+OBJECT_NAME = re.compile(r"^([0-9a-f]{2})/(\1[0-9a-f]{62})(\.tmp-[0-9a-f]+)?$")
 
 
 def object_path(objects_dir: str, sha256: str) -> str:
@@ -76,24 +82,62 @@ def _place(source: str, target: str, mode: int, link: bool) -> None:
 
 
 def prune(remote_dir: str) -> Dict[str, Any]:
-    """Remove objects that no run's tree.json references (and that are not brand new)."""
-    wanted = set()
-    runs = os.path.join(remote_dir, "runs")
-    for run_id in os.listdir(runs) if os.path.isdir(runs) else ():
-        tree = read_json(os.path.join(runs, run_id, "tree.json")) or {"files": []}
-        wanted.update(entry["sha256"] for entry in tree["files"])
-    removed, freed, kept = 0, 0, 0
+    """Remove the objects tether wrote that no run's tree.json references (and that are not brand new).
+
+    Only names tether gives an object are candidates: objects/<sha[:2]>/<sha> (64 lowercase hex,
+    a plain file whose content hashes to the name) and the partial uploads of one. Anything
+    else under objects/ is someone else's: left alone and counted as `foreign`.
+    """
+    owner.claim(remote_dir)  # never prune a folder tether does not own
+    wanted = _referenced(os.path.join(remote_dir, "runs"))
+    removed, freed, kept, foreign = 0, 0, 0, 0
     objects_dir = os.path.join(remote_dir, "objects")
+    if os.path.islink(objects_dir):
+        return {"removed": 0, "bytes": 0, "kept": 0, "foreign": 1}  # tether never links it elsewhere
     for folder, _, names in os.walk(objects_dir):
         for name in names:
             path = os.path.join(folder, name)
-            stat = os.stat(path)
-            if name.split(".tmp-")[0] in wanted and ".tmp-" not in name or time.time() - stat.st_mtime < PRUNE_MIN_AGE_S:
+            verdict = _verdict(path, os.path.relpath(path, objects_dir), wanted)
+            if verdict == "foreign":
+                foreign += 1
+            elif verdict == "keep":
                 kept += 1
-                continue
-            os.unlink(path)
-            removed, freed = removed + 1, freed + stat.st_size
-    return {"removed": removed, "bytes": freed, "kept": kept}
+            else:
+                size = os.lstat(path).st_size
+                os.unlink(path)
+                removed, freed = removed + 1, freed + size
+    return {"removed": removed, "bytes": freed, "kept": kept, "foreign": foreign}
+
+
+def _referenced(runs: str) -> set:
+    """Every object hash some run's tree.json lists."""
+    wanted = set()
+    for run_id in os.listdir(runs) if os.path.isdir(runs) else ():
+        tree = read_json(os.path.join(runs, run_id, "tree.json")) or {"files": []}
+        wanted.update(entry["sha256"] for entry in tree["files"])
+    return wanted
+
+
+def _verdict(path: str, rel: str, wanted: set) -> str:
+    """'remove', 'keep' or 'foreign' for the file at objects/<rel>."""
+    match = OBJECT_NAME.match(rel.replace(os.sep, "/"))
+    stat = os.lstat(path)
+    if match is None or not S_ISREG(stat.st_mode):
+        return "foreign"
+    sha, partial = match.group(2), match.group(3)
+    if time.time() - stat.st_mtime < PRUNE_MIN_AGE_S or (sha in wanted and not partial):
+        return "keep"
+    if not partial and _sha256_of(path) != sha:
+        return "foreign"  # under an object's name, but not tether's bytes: not ours to judge
+    return "remove"
+
+
+def _sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def receive(objects_dir: str, stream: IO[bytes]) -> Dict[str, Any]:

@@ -211,6 +211,12 @@ class Backend:
         """'' to fetch a manifest file, else why it stays on the far side."""
         return ""
 
+    def watchdog(self) -> Any:
+        """What ends this backend's stalled transfers (a backend over a network sets stall_timeout_s)."""
+        from tether.pipelines.transfer import UNWATCHED
+
+        return UNWATCHED
+
     def prune(self) -> dict:
         """Remove far-side objects that no run references."""
         return self.launcher("prune", self.remote_dir)

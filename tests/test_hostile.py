@@ -222,7 +222,7 @@ for i in range(20):  # 60 MiB of small files: one tar batch
 """
 
 
-def _sftp_under_way(project, server) -> bool:
+def _sftp_under_way(project, far) -> bool:
     """The large file is coming in over SFTP (its .part grows)."""
     try:
         return _pulled(project, "artifacts/big.bin.part").stat().st_size > 0
@@ -230,11 +230,12 @@ def _sftp_under_way(project, server) -> bool:
         return False
 
 
-def _tar_under_way(project, server) -> bool:
-    """The far side's `send` is streaming the small files' tar."""
+def _tar_under_way(project, far) -> bool:
+    """The far side's `send` of this run (not another test's) is streaming the small files' tar."""
+    mine = f"launcher.py\0send\0{far}/runs/".encode()
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"launcher.py\0send" in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and mine in (entry / "cmdline").read_bytes():
                 return True
         except OSError:
             continue
@@ -273,7 +274,7 @@ def test_a_stalled_transfer_fails_in_bounded_time_and_the_rerun_resumes(project,
         _poll(lambda: (far / "runs" / run_id / "PULL_MANIFEST.json").exists(), 120, "the seal", interval=0.05)
         pulling = _Background(project.start("pull"))
         try:
-            _poll(lambda: under_way(project, server) or pulling.proc.poll() is not None, 120, "the pull under way")
+            _poll(lambda: under_way(project, far) or pulling.proc.poll() is not None, 120, "the pull under way")
             assert pulling.proc.poll() is None, f"the pull ended before it could be frozen:\n{pulling.output()}"
             _signal_sessions(server, signal.SIGSTOP)
             frozen = time.monotonic()

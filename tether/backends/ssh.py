@@ -47,7 +47,7 @@ class Connection:
     max_artifact_mb: Optional[float] = None
     ssh_config: Optional[str] = None
     known_hosts: Optional[str] = None
-    stall_timeout_s: float = 60.0  # a pull that moves no byte this long is ended (the rerun resumes it)
+    stall_timeout_s: Optional[float] = 60.0  # a pull that moves no byte this long is ended (null: never)
 
     def problems(self) -> list[str]:
         found = []

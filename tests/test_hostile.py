@@ -202,11 +202,19 @@ def test_large_artifacts_are_announced_or_left(project, size, limits, line):
     assert line in train.stdout, train.stdout
     pulled = _pulled(project, "artifacts/big.bin")
     assert pulled.exists() == (not limits)
-    if limits:
-        refused = project.doit("run", "down", "confirm=yes")
-        assert refused.returncode != 0 and "artifacts/big.bin" in refused.stderr, refused.stderr
-    else:
+    if not limits:
         pulled.unlink()  # 1.1 GiB: give the disk back now
+        return
+    refused = project.doit("run", "down", "confirm=yes")
+    assert refused.returncode != 0 and "artifacts/big.bin" in refused.stderr, refused.stderr
+    assert "then `doit pull`" in refused.stderr, refused.stderr
+    project.write_config(_config_text(command="{python} demo/sized.py", code="demo/sized.py",  # the limit raised
+                                      artifacts="big.bin, model.json", backend="{type: local, max_artifact_mb: 4}"))
+    fetched = project.doit("pull", check=True)  # what the refusal advises
+    assert "pulled 1 of" in fetched.stdout, fetched.stdout
+    project.doit("run", "verify", check=True)
+    gone = project.doit("run", "down", "confirm=yes", check=True)
+    assert "removed" in gone.stdout, gone.stdout
 
 
 BIG_SSH = """\

@@ -315,14 +315,15 @@ def pull(s: Session) -> str:
             return pull(s)
         raise RunError(f"run {run.run_id} is {snap['status']} and has no manifest yet (it is sealed "
                        f"when the run ends): `doit run watch` waits for that")
-    if verified is not None and manifest.digest(data) == verified["manifest_sha256"]:
-        return f"{run.run_id}: already pulled and verified"
     listed = json.loads(data)
+    left = {e["path"]: s.backend.fetch_policy(e["path"], e["bytes"]) for e in listed["files"]}
+    left = {path: why for path, why in left.items() if why}
+    if verified is not None and manifest.digest(data) == verified["manifest_sha256"] \
+            and set(left) == set(verified["remote_only"]):  # a raised max_artifact_mb fetches what it left
+        return f"{run.run_id}: already pulled and verified"
     for entry in listed["files"]:
         run.pulled(entry["path"])  # refuses absolute paths and `..` before anything is written
     _store_manifest(run, data)
-    left = {e["path"]: s.backend.fetch_policy(e["path"], e["bytes"]) for e in listed["files"]}
-    left = {path: why for path, why in left.items() if why}
     for path, why in sorted(left.items()):
         print(f"left on the far side: {path} ({why})")
     todo = [e for e in listed["files"] if e["path"] not in left

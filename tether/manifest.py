@@ -133,7 +133,7 @@ def _advice(run: RunPaths, refetch: int, extras: list[str]) -> str:
     """What fixes each kind of problem: pull fetches listed files; it never deletes files it did not write."""
     steps = []
     if refetch:
-        steps.append(f"`doit pull run={run.run_id}` fetches the damaged or missing files again")
+        steps.append(f"`doit pull verify run={run.run_id}` fetches the damaged or missing files again and checks them")
     if extras:
         paths = " ".join(shlex.quote(run.pulled(p)) for p in extras)
         steps.append(f"`rm {paths}` removes what the manifest does not list (pull never deletes a file it "

@@ -13,12 +13,15 @@ import json
 import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tether
 from tether.errors import BackendError
 from tether.paths import RunPaths
 from tether.remote.fileio import tar_bytes
+
+if TYPE_CHECKING:
+    from tether.pipelines.transfer import Watchdog
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
@@ -211,7 +214,7 @@ class Backend:
         """'' to fetch a manifest file, else why it stays on the far side."""
         return ""
 
-    def watchdog(self) -> Any:
+    def watchdog(self) -> "Watchdog":
         """What ends this backend's stalled transfers (a backend over a network sets stall_timeout_s)."""
         from tether.pipelines.transfer import UNWATCHED
 

@@ -14,11 +14,14 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tether.backends.base import Backend as BaseBackend
 from tether.errors import BackendError, RemoteCommandError
 from tether.remote.fileio import atomic_write_json, read_json
+
+if TYPE_CHECKING:
+    from tether.pipelines.transfer import Watchdog
 
 SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
 COMMAND_TIMEOUT_S = 3600  # a materialize of a large tree or a venv install can take minutes
@@ -131,7 +134,7 @@ class Backend(BaseBackend):
     def reconnect(self) -> None:
         self._fs = None
 
-    def watchdog(self) -> Any:
+    def watchdog(self) -> "Watchdog":
         """The stall guard of this connection's transfers (stall_timeout_s)."""
         from tether.pipelines.transfer import Watchdog
 
@@ -213,7 +216,8 @@ class Backend(BaseBackend):
             self.reconnect()  # the next command opens a fresh connection
             raise explain(err, self.config, 0.0) from err
         if status != 0:
-            raise RemoteCommandError(argv, status if status is not None else -1, (stderr or b"").decode(errors="replace"))
+            code = status if status is not None else -1  # None: the channel closed without an exit status
+            raise RemoteCommandError(argv, code, (stderr or b"").decode(errors="replace"))
         return stdout or b""
 
     # ------------------------------------------------------------ what ssh adds

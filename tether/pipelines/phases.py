@@ -377,7 +377,8 @@ def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
         small = [e for e in todo if e["bytes"] <= transfer.SMALL]
         for group in transfer.batches(small, lambda e: e["bytes"]):
             with watchdog.watching():
-                tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=json.dumps([e["path"] for e in group]).encode())
+                asked = json.dumps([e["path"] for e in group]).encode()
+                tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=asked)
             transfer.unpack(tar, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group},
                             progress, changed)
         for e in todo:

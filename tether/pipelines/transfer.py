@@ -113,12 +113,13 @@ def large_warning(path: str, size: int) -> str:
     return f"pulling {path} ({size / (1 << 30):.1f} GiB){limit}"
 
 
-def far_side_changed(run_id: str, path: str, far_path: str, want: tuple[int, str], got: tuple[int, str]) -> ManifestError:
+def far_side_changed(run_id: str, path: str, far_path: str, want: tuple[int, str],
+                     got: tuple[int, str]) -> ManifestError:
     """The far side's own copy differs from what it sealed: a second pull would fetch the same bytes."""
     return ManifestError(
         f"the far side's {path} no longer matches its sealed manifest (changed after sealing): it has "
         f"{got[0]} bytes, sha256 {got[1][:12]}; the manifest says {want[0]} bytes, sha256 {want[1][:12]}. "
-        f"Pulling again cannot fix that: put the sealed file back at {far_path}, then `doit pull run={run_id}`; "
+        f"Pulling again cannot fix that: put the sealed file back at {far_path}, then `doit pull verify run={run_id}`; "
         f"or, if it is lost, run the job again as a new run (change its code, data or trainer settings)")
 
 

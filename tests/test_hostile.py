@@ -86,6 +86,16 @@ def _far_changed(path: str):
     return damage
 
 
+def _far_gone(path: str):
+    """The far side's copy is removed after sealing, and the copy here is lost."""
+    def damage(project) -> None:
+        far = _far(project, path)
+        project.root.joinpath("sealed.bin").write_bytes(far.read_bytes())
+        far.unlink()
+        _pulled(project, path).unlink()
+    return damage
+
+
 def _extra_file(project) -> None:
     """A file the user (or a tool) left in files/, which no manifest lists."""
     _pulled(project, "artifacts/notes.txt").write_text("my notes\n")
@@ -140,6 +150,12 @@ PULL_CASES = [
     pytest.param(_far_changed("artifacts/big.bin"), ("pull",), False,
                  ("the far side's artifacts/big.bin no longer matches its sealed manifest", "cannot fix"),
                  ("pull again",), FIVE_MIB, id="far copy changed after sealing, large file"),
+    pytest.param(_far_gone("artifacts/model.json"), ("pull",), False,
+                 ("the far side's artifacts/model.json is gone (removed after sealing)", "cannot fix"),
+                 ("pull again", "Traceback", "exited 1"), None, id="far copy removed after sealing, small file"),
+    pytest.param(_far_gone("artifacts/big.bin"), ("pull",), False,
+                 ("the far side's artifacts/big.bin is gone (removed after sealing)", "cannot fix"),
+                 ("pull again", "Traceback"), FIVE_MIB, id="far copy removed after sealing, large file"),
     pytest.param(_extra_file, ("run", "verify"), False, ("artifacts/notes.txt: not in the manifest", "`rm "),
                  ("fetches",), None, id="an extra file in files/"),
     pytest.param(_sealed_again, ("run", "down", "confirm=yes"), False,

@@ -11,10 +11,11 @@ import json
 import os
 import sys
 import time
+from typing import Any, Callable
 
 from tether import manifest
 from tether.config import asdict
-from tether.errors import BackendError, ManifestError, RunError
+from tether.errors import BackendError, ManifestError, RemoteCommandError, RunError
 from tether.paths import RunPaths
 from tether.pipelines import transfer
 from tether.pipelines.observe import EventReader, queue_text, tail_text
@@ -365,7 +366,7 @@ def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
     """Small files in tar batches, large ones resumably, every byte watched for a stall."""
     fs, watchdog = s.backend.filesystem(), s.backend.watchdog()
 
-    def changed(path: str, want: tuple[int, str], got: tuple[int, str]) -> Exception:
+    def changed(path: str, want: tuple[int, str], got: tuple[int, str] | None) -> Exception:
         return transfer.far_side_changed(run.run_id, path, f"{run.remote_abs}/{path}", want, got)
 
     with transfer.bar(total, "pull") as bar:
@@ -376,9 +377,13 @@ def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
                 progress.write(warning)
         small = [e for e in todo if e["bytes"] <= transfer.SMALL]
         for group in transfer.batches(small, lambda e: e["bytes"]):
-            with watchdog.watching():
-                asked = json.dumps([e["path"] for e in group]).encode()
-                tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=asked)
+            asked = json.dumps([e["path"] for e in group]).encode()
+            try:
+                with watchdog.watching():
+                    tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=asked)
+            except RemoteCommandError:
+                _gone(fs, run, group, changed)  # a far file removed after sealing fails the whole `send`
+                raise
             transfer.unpack(tar, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group},
                             progress, changed)
         for e in todo:
@@ -386,6 +391,15 @@ def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
                 transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]), e["bytes"],
                                        e["sha256"], progress, lambda want, got, p=e["path"]: changed(p, want, got),
                                        watchdog)
+
+
+def _gone(fs: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exception]) -> None:
+    """Raise `changed` for the first file of `group` that the far side no longer has."""
+    for e in group:
+        try:
+            fs.info(run.remote_file(e["path"]))
+        except FileNotFoundError:
+            raise changed(e["path"], (e["bytes"], e["sha256"]), None)
 
 
 def _warn_roster(s: Session, listed: dict) -> None:

@@ -114,11 +114,12 @@ def large_warning(path: str, size: int) -> str:
 
 
 def far_side_changed(run_id: str, path: str, far_path: str, want: tuple[int, str],
-                     got: tuple[int, str]) -> ManifestError:
-    """The far side's own copy differs from what it sealed: a second pull would fetch the same bytes."""
+                     got: Optional[tuple[int, str]]) -> ManifestError:
+    """The far side's own copy differs from what it sealed (got None: is gone): pulling again fetches the same."""
+    found = "is gone (removed after sealing)" if got is None else \
+        f"no longer matches its sealed manifest (changed after sealing): it has {got[0]} bytes, sha256 {got[1][:12]}"
     return ManifestError(
-        f"the far side's {path} no longer matches its sealed manifest (changed after sealing): it has "
-        f"{got[0]} bytes, sha256 {got[1][:12]}; the manifest says {want[0]} bytes, sha256 {want[1][:12]}. "
+        f"the far side's {path} {found}; the manifest says {want[0]} bytes, sha256 {want[1][:12]}. "
         f"Pulling again cannot fix that: put the sealed file back at {far_path}, then `doit pull verify run={run_id}`; "
         f"or, if it is lost, run the job again as a new run (change its code, data or trainer settings)")
 
@@ -219,7 +220,7 @@ def matches(path: str, size: int, sha256: str) -> bool:
 
 
 def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, progress: Any,
-                  changed: Callable[[tuple[int, str], tuple[int, str]], Exception],
+                  changed: Callable[[tuple[int, str], Optional[tuple[int, str]]], Exception],
                   watchdog: Watchdog = UNWATCHED) -> None:
     """Download into `local`.part, continuing a partial one, check size and SHA-256, then rename.
 
@@ -234,8 +235,11 @@ def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, prog
         have = 0
     if have:
         progress.write(f"resuming {os.path.basename(local)} at {have / (1 << 20):.1f} of {size / (1 << 20):.1f} MiB")
-    with watchdog.watching():
-        _append(fs, remote, part, have, progress)
+    try:
+        with watchdog.watching():
+            _append(fs, remote, part, have, progress)
+    except FileNotFoundError:  # the far side's copy was removed after sealing
+        raise changed((size, sha256), None)
     got = sha256_file(part)[::-1]
     if got != (size, sha256):
         os.unlink(part)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import time
 import zipfile
 
 from tether.errors import ManifestError
 from tether.paths import RunPaths
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
+
+PART = ".part"  # a file being downloaded (tether.pipelines.transfer)
 
 
 def digest(data: bytes) -> str:
@@ -80,7 +83,7 @@ def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
     try:
         verified = check(run, left)
     except ManifestError:
-        _forget(run)
+        forget(run)
         raise
     atomic_write_json(run.verified, verified)
     return verified
@@ -91,31 +94,21 @@ def check(run: RunPaths, left: dict[str, str] | None = None) -> dict:
     manifest, manifest_sha = load(run)
     left = left or {}
     listed = {entry["path"]: entry for entry in manifest["files"] if entry["path"] not in left}
-    problems = []
     present = local_files(run)
-    for extra in sorted(present - set(listed)):
-        problems.append(f"{extra}: not in the manifest")
-    record, notes = {}, {}
+    partial = {path + PART for path in listed}  # an interrupted pull's file: the pull continues it
+    extras = sorted(present - set(listed) - partial)
+    problems = [f"{extra}: not in the manifest" for extra in extras]
+    refetch, record, notes = 0, {}, {}
     for path, entry in sorted(listed.items()):
-        local = run.pulled(path)
-        if path not in present:
-            problems.append(f"{path}: missing")
+        found = _problem(run, path, entry, path in present, notes)
+        if found:
+            problems.append(f"{path}: {found}")
+            refetch += 1
             continue
-        sha, size = sha256_file(local)
-        if size != entry["bytes"] or sha != entry["sha256"]:
-            problems.append(f"{path}: {size} bytes, sha256 {sha[:12]}; the manifest says "
-                            f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]}")
-            continue
-        bad = content_problem(local, notes)
-        if bad:
-            problems.append(f"{path}: does not load: {bad}")
-            continue
-        stat = os.stat(local)
-        record[path] = [stat.st_size, stat.st_mtime_ns]
+        record[path] = stamp(os.stat(run.pulled(path)))
     if problems:
         raise ManifestError(f"run {run.run_id} failed verification ({len(problems)} of "
-                            f"{len(listed)} files): " + "; ".join(problems)
-                            + f". `doit pull run={run.run_id}` fetches them again")
+                            f"{len(listed)} files): " + "; ".join(problems) + ". " + _advice(run, refetch, extras))
     verified = {"run_id": run.run_id, "manifest_sha256": manifest_sha, "files": record,
                 "bytes": sum(e["bytes"] for e in listed.values()), "verified_at": round(time.time(), 3),
                 "missing_declared": manifest.get("missing", []), "remote_only": left,
@@ -123,7 +116,38 @@ def check(run: RunPaths, left: dict[str, str] | None = None) -> dict:
     return verified
 
 
-def _forget(run: RunPaths) -> None:
+def _problem(run: RunPaths, path: str, entry: dict, present: bool, notes: dict) -> str:
+    """What is wrong with one pulled file ('' when nothing): missing, other bytes, or unloadable."""
+    if not present:
+        return "missing"
+    local = run.pulled(path)
+    sha, size = sha256_file(local)
+    if size != entry["bytes"] or sha != entry["sha256"]:
+        return (f"{size} bytes, sha256 {sha[:12]}; the manifest says {entry['bytes']} bytes, "
+                f"sha256 {entry['sha256'][:12]}")
+    bad = content_problem(local, notes)
+    return f"does not load: {bad}" if bad else ""
+
+
+def _advice(run: RunPaths, refetch: int, extras: list[str]) -> str:
+    """What fixes each kind of problem: pull fetches listed files; it never deletes files it did not write."""
+    steps = []
+    if refetch:
+        steps.append(f"`doit pull verify run={run.run_id}` fetches the damaged or missing files again and checks them")
+    if extras:
+        paths = " ".join(shlex.quote(run.pulled(p)) for p in extras)
+        steps.append(f"`rm {paths}` removes what the manifest does not list (pull never deletes a file it "
+                     f"did not write), then `doit run verify run={run.run_id}`")
+    return "; ".join(steps)
+
+
+def stamp(stat: os.stat_result) -> list[int]:
+    """What a cheap re-check compares: ctime and inode change on any write or replacement, even one that
+    puts size and mtime back (os.utime cannot set ctime)."""
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
+
+
+def forget(run: RunPaths) -> None:
     """A verification that no longer holds must not stay on disk looking valid."""
     try:
         os.unlink(run.verified)
@@ -132,7 +156,11 @@ def _forget(run: RunPaths) -> None:
 
 
 def still_verified(run: RunPaths) -> bool:
-    """Cheap re-check (stat only): PULL_VERIFIED.json exists and nothing pulled has changed since."""
+    """Cheap re-check (stat only): PULL_VERIFIED.json exists and nothing pulled has changed since.
+
+    Size, mtime, inode and ctime: a write that restores size and mtime still moves ctime. An
+    explicit `verify` (and `down`) hashes everything again instead.
+    """
     verified = read_json(run.verified)
     if not verified:
         return False
@@ -140,9 +168,8 @@ def still_verified(run: RunPaths) -> bool:
         with open(run.manifest, "rb") as f:
             if digest(f.read()) != verified["manifest_sha256"]:
                 return False
-        for path, (size, mtime_ns) in verified["files"].items():
-            stat = os.stat(run.pulled(path))
-            if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+        for path, recorded in verified["files"].items():
+            if stamp(os.stat(run.pulled(path))) != list(recorded):  # a 2-field record of an older tether: verify again
                 return False
     except FileNotFoundError:
         return False

@@ -13,13 +13,16 @@ import json
 import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tether
 from tether.errors import BackendError, RemoteCommandError
 from tether.paths import RunPaths
 from tether.remote import owner
 from tether.remote.fileio import tar_bytes
+
+if TYPE_CHECKING:
+    from tether.pipelines.transfer import Watchdog
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
@@ -234,6 +237,12 @@ class Backend:
     def fetch_policy(self, path: str, size: int) -> str:
         """'' to fetch a manifest file, else why it stays on the far side."""
         return ""
+
+    def watchdog(self) -> "Watchdog":
+        """What ends this backend's stalled transfers (a backend over a network sets stall_timeout_s)."""
+        from tether.pipelines.transfer import UNWATCHED
+
+        return UNWATCHED
 
     def prune(self) -> dict:
         """Remove far-side objects that no run references (only ever in a remote_dir tether owns)."""

@@ -15,15 +15,17 @@ from tether.remote import owner
 
 @dataclass(frozen=True)
 class Config:
-    """backends: {NAME: {type: local, remote_dir: PATH, python: PATH}}
+    """backends: {NAME: {type: local, remote_dir: PATH, python: PATH, max_artifact_mb: N}}
 
     remote_dir defaults to .tether/remote in the working folder (a leading ~ is your home
-    folder); python to the interpreter running tether.
+    folder); python to the interpreter running tether; artifacts and checkpoints above
+    max_artifact_mb stay in remote_dir (as on ssh).
     """
 
     type: str = "local"
     remote_dir: Optional[str] = None
     python: Optional[str] = None
+    max_artifact_mb: Optional[float] = None
 
     def problems(self) -> list[str]:
         if self.remote_dir is None:
@@ -52,6 +54,11 @@ class Backend(BaseBackend):
 
         os.makedirs(self.remote_dir, mode=0o700, exist_ok=True)
         return DirFileSystem(path=self.remote_dir, fs=LocalFileSystem())
+
+    def fetch_policy(self, path: str, size: int) -> str:
+        from tether.pipelines.transfer import size_policy
+
+        return size_policy(path, size, self.config.max_artifact_mb)
 
     def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
         try:

@@ -14,12 +14,15 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tether.backends.base import Backend as BaseBackend
 from tether.errors import BackendError, RemoteCommandError
 from tether.remote import owner
 from tether.remote.fileio import atomic_write_json, read_json
+
+if TYPE_CHECKING:
+    from tether.pipelines.transfer import Watchdog
 
 SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
 COMMAND_TIMEOUT_S = 3600  # a materialize of a large tree or a venv install can take minutes
@@ -48,6 +51,7 @@ class Connection:
     max_artifact_mb: Optional[float] = None
     ssh_config: Optional[str] = None
     known_hosts: Optional[str] = None
+    stall_timeout_s: Optional[float] = 60.0  # a pull that moves no byte this long is ended (null: never)
 
     def problems(self) -> list[str]:
         found = []
@@ -97,6 +101,7 @@ class Backend(BaseBackend):
         self._pid = os.getpid()  # a connection belongs to the process that opened it
         self._remote_dir: Optional[str] = None
         self.commands = 0  # far-side commands this invocation (for --trace style reports)
+        self._watchdog: Any = None
 
     # ------------------------------------------------------------ the connection
 
@@ -133,6 +138,24 @@ class Backend(BaseBackend):
 
     def reconnect(self) -> None:
         self._fs = None
+
+    def watchdog(self) -> "Watchdog":
+        """The stall guard of this connection's transfers (stall_timeout_s)."""
+        from tether.pipelines.transfer import Watchdog
+
+        if self._watchdog is None:
+            where = f"{self.config.user + '@' if self.config.user else ''}{self.config.host}"
+            self._watchdog = Watchdog(self.config.stall_timeout_s, self._abort, where)
+        return self._watchdog
+
+    def _abort(self) -> None:
+        """From the watchdog's thread: a frozen peer never answers, so the blocked call is made to fail.
+
+        abort, not close: close waits to flush what the frozen peer will never read.
+        """
+        fs, self._fs = self._fs, None
+        if fs is not None:
+            fs.loop.call_soon_threadsafe(fs.client.abort)
 
     @property
     def remote_dir(self) -> str:
@@ -187,16 +210,20 @@ class Backend(BaseBackend):
         try:
             import asyncssh
 
-            feed = {"input": stdin} if stdin else {"stdin": asyncssh.DEVNULL}  # never a stdin left open
-            done = sync(fs.loop, fs.client.run, command, encoding=None, check=False,
-                        timeout=COMMAND_TIMEOUT_S, **feed)
+            if self._watchdog is not None and self._watchdog.armed:  # a pull's batch: its bytes are progress
+                status, stdout, stderr = sync(fs.loop, _streamed, fs.client, command, stdin, self._watchdog.touch)
+            else:
+                feed = {"input": stdin} if stdin else {"stdin": asyncssh.DEVNULL}  # never a stdin left open
+                done = sync(fs.loop, fs.client.run, command, encoding=None, check=False,
+                            timeout=COMMAND_TIMEOUT_S, **feed)
+                status, stdout, stderr = done.exit_status, done.stdout, done.stderr
         except Exception as err:
             self.reconnect()  # the next command opens a fresh connection
             raise explain(err, self.config, 0.0) from err
-        if done.exit_status != 0:
-            stderr = (done.stderr or b"").decode(errors="replace")
-            raise RemoteCommandError(argv, done.exit_status if done.exit_status is not None else -1, stderr)
-        return done.stdout or b""
+        if status != 0:
+            code = status if status is not None else -1  # None: the channel closed without an exit status
+            raise RemoteCommandError(argv, code, (stderr or b"").decode(errors="replace"))
+        return stdout or b""
 
     # ------------------------------------------------------------ what ssh adds
 
@@ -232,14 +259,11 @@ class Backend(BaseBackend):
         fs.pipe_file(f"venv/{self._venv_hash()}/READY", b"\n".join(p.encode() for p in self.config.packages))
 
     def fetch_policy(self, path: str, size: int) -> str:
-        if not path.startswith(("artifacts/", "checkpoints/")):
-            return ""
+        from tether.pipelines.transfer import size_policy
+
         if path.startswith("artifacts/") and not self.config.fetch_artifacts:
             return "fetch_artifacts is false"
-        limit = self.config.max_artifact_mb
-        if limit is not None and size > limit * (1 << 20):
-            return f"{size / (1 << 20):.1f} MB is above max_artifact_mb ({limit})"
-        return ""
+        return size_policy(path, size, self.config.max_artifact_mb)
 
     def is_transport_error(self, err: BaseException) -> bool:
         import asyncssh
@@ -282,6 +306,32 @@ def auth_hint(cfg: Config, where: str) -> str:
     else:
         fix = "set identity_file:, or load the key with ssh-add"
     return f"{where}: authentication failed: `{ssh_command(cfg)}` must work without a prompt: {fix}"
+
+
+async def _streamed(client: Any, command: str, stdin: bytes, moved: Any) -> tuple[Optional[int], bytes, bytes]:
+    """Run `command`, reading its stdout as it comes and calling `moved(n)` for every piece."""
+    import asyncio
+
+    import asyncssh
+
+    async def run() -> tuple[Optional[int], bytes, bytes]:
+        async with await client.create_process(command, encoding=None,
+                                               stdin=asyncssh.PIPE if stdin else asyncssh.DEVNULL) as proc:
+            if stdin:
+                proc.stdin.write(stdin)
+                proc.stdin.write_eof()
+            errors = asyncio.ensure_future(proc.stderr.read())
+            chunks = []
+            while True:
+                chunk = await proc.stdout.read(1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                moved(len(chunk))
+            done = await proc.wait()
+            return done.exit_status, b"".join(chunks), await errors
+
+    return await asyncio.wait_for(run(), COMMAND_TIMEOUT_S)
 
 
 def explain(err: BaseException, cfg: Config, waited: float) -> BackendError:

@@ -11,10 +11,11 @@ import json
 import os
 import sys
 import time
+from typing import Any, Callable
 
 from tether import manifest
 from tether.config import asdict
-from tether.errors import BackendError, ManifestError, RunError
+from tether.errors import BackendError, ManifestError, RemoteCommandError, RunError
 from tether.paths import RunPaths
 from tether.pipelines import transfer
 from tether.pipelines.observe import EventReader, queue_text, tail_text
@@ -322,45 +323,111 @@ def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
 
 
 def pull(s: Session) -> str:
-    """Fetch the far side's manifest, then every listed file not already here intact."""
+    """Fetch the far side's manifest, then every listed file not already here intact.
+
+    Always asks the far side (one round trip): a manifest that changed there after this side
+    verified it is pulled again, never answered with "up to date".
+    """
     run = s.observed()
-    if manifest.still_verified(run):
-        return f"{run.run_id}: already pulled and verified"
-    fs = s.backend.filesystem()
+    verified = read_json(run.verified) if manifest.still_verified(run) else None
     try:
-        data = fs.cat_file(run.remote_file("PULL_MANIFEST.json"))
-    except FileNotFoundError:
+        data = _far_manifest(s, run)
+    except Exception as err:  # unreachable: what is verified here stays verified
+        if verified is None or not s.backend.is_transport_error(err):
+            raise
+        return f"{run.run_id}: already pulled and verified (the far side did not answer: {err})"
+    if data is None:
+        if verified is not None:
+            return f"{run.run_id}: already pulled and verified (the far side no longer has its run dir)"
         snap = s.snapshot(run, fresh=True)
         if ensure_sealed(s, run, snap):  # its launcher died between "final" and the seal
             return pull(s)
         raise RunError(f"run {run.run_id} is {snap['status']} and has no manifest yet (it is sealed "
                        f"when the run ends): `doit run watch` waits for that")
     listed = json.loads(data)
-    for entry in listed["files"]:
-        run.pulled(entry["path"])  # refuses absolute paths and `..` before anything is written
-    os.makedirs(run.local, exist_ok=True)
-    with open(run.manifest + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(run.manifest + ".tmp", run.manifest)
     left = {e["path"]: s.backend.fetch_policy(e["path"], e["bytes"]) for e in listed["files"]}
     left = {path: why for path, why in left.items() if why}
+    if verified is not None and manifest.digest(data) == verified["manifest_sha256"] \
+            and set(left) == set(verified["remote_only"]):  # a raised max_artifact_mb fetches what it left
+        return f"{run.run_id}: already pulled and verified"
+    for entry in listed["files"]:
+        run.pulled(entry["path"])  # refuses absolute paths and `..` before anything is written
+    _store_manifest(run, data)
     for path, why in sorted(left.items()):
         print(f"left on the far side: {path} ({why})")
     todo = [e for e in listed["files"] if e["path"] not in left
             and not transfer.matches(run.pulled(e["path"]), e["bytes"], e["sha256"])]
     total = sum(e["bytes"] for e in todo)
-    with transfer.bar(total, "pull") as progress:
-        small = [e for e in todo if e["bytes"] <= transfer.SMALL]
-        for group in transfer.batches(small, lambda e: e["bytes"]):
-            tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=json.dumps([e["path"] for e in group]).encode())
-            transfer.unpack(tar, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group}, progress)
-        for e in todo:
-            if e["bytes"] > transfer.SMALL:
-                transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]),
-                                       e["bytes"], e["sha256"], progress)
+    _fetch(s, run, todo, total)
     write_stamp(run, "pull", manifest_sha256=manifest.digest(data), fetched=len(todo), bytes=total, left=left)
     _warn_roster(s, listed)
     return f"{run.run_id}: pulled {len(todo)} of {len(listed['files'])} files ({total} bytes)"
+
+
+def _far_manifest(s: Session, run: RunPaths) -> bytes | None:
+    """The far side's PULL_MANIFEST.json, or None when it has none."""
+    with s.backend.watchdog().watching():
+        try:
+            return s.backend.filesystem().cat_file(run.remote_file("PULL_MANIFEST.json"))
+        except FileNotFoundError:
+            return None
+
+
+def _store_manifest(run: RunPaths, data: bytes) -> None:
+    """The far side's manifest, here; one that differs from the one here ends its verification."""
+    try:
+        with open(run.manifest, "rb") as f:
+            before = f.read()
+    except FileNotFoundError:
+        before = data
+    if before != data:
+        print(f"warning: the far side's PULL_MANIFEST.json changed since it was pulled here "
+              f"(sha256 {manifest.digest(before)[:12]}, now {manifest.digest(data)[:12]}): pulling what it lists now")
+        manifest.forget(run)  # verified against the old manifest is not verified against this one
+    os.makedirs(run.local, exist_ok=True)
+    with open(run.manifest + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(run.manifest + ".tmp", run.manifest)
+
+
+def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
+    """Small files in tar batches, large ones resumably, every byte watched for a stall."""
+    fs, watchdog = s.backend.filesystem(), s.backend.watchdog()
+
+    def changed(path: str, want: tuple[int, str], got: tuple[int, str] | None) -> Exception:
+        return transfer.far_side_changed(run.run_id, path, f"{run.remote_abs}/{path}", want, got)
+
+    with transfer.bar(total, "pull") as bar:
+        progress = watchdog.progress(bar)
+        for e in todo:
+            warning = "" if s.backend.config.max_artifact_mb else transfer.large_warning(e["path"], e["bytes"])
+            if warning:
+                progress.write(warning)
+        small = [e for e in todo if e["bytes"] <= transfer.SMALL]
+        for group in transfer.batches(small, lambda e: e["bytes"]):
+            asked = json.dumps([e["path"] for e in group]).encode()
+            try:
+                with watchdog.watching():
+                    tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=asked)
+            except RemoteCommandError:
+                _gone(fs, run, group, changed)  # a far file removed after sealing fails the whole `send`
+                raise
+            transfer.unpack(tar, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group},
+                            progress, changed)
+        for e in todo:
+            if e["bytes"] > transfer.SMALL:
+                transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]), e["bytes"],
+                                       e["sha256"], progress, lambda want, got, p=e["path"]: changed(p, want, got),
+                                       watchdog)
+
+
+def _gone(fs: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exception]) -> None:
+    """Raise `changed` for the first file of `group` that the far side no longer has."""
+    for e in group:
+        try:
+            fs.info(run.remote_file(e["path"]))
+        except FileNotFoundError:
+            raise changed(e["path"], (e["bytes"], e["sha256"]), None)
 
 
 def _warn_roster(s: Session, listed: dict) -> None:
@@ -379,7 +446,10 @@ def left_remote(run: RunPaths) -> dict[str, str]:
 
 
 def verify(s: Session) -> str:
-    """Size and SHA-256 of every pulled file against the manifest, the roster exact both ways."""
+    """Size and SHA-256 of every pulled file against the manifest, the roster exact both ways.
+
+    Always hashes every file again (the task has no up-to-date check): a timestamp proves nothing.
+    """
     run = s.observed()
     verified = manifest.verify(run, left_remote(run))
     loaded, found = verified["torch_loaded"], verified["torch_files"]
@@ -411,9 +481,9 @@ def down(s: Session, confirm: bool) -> str:
         raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "
                        f"on the far side ({', '.join(sorted(verified['remote_only']))}): fetch them first "
                        f"(fetch_artifacts / max_artifact_mb, then `doit pull`), or set keep_remote: true")
-    if manifest.digest(far) != verified["manifest_sha256"]:
-        raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest does not "
-                            f"match the one verified here: `doit pull run={run.run_id}` again")
+    if manifest.digest(far) != verified["manifest_sha256"]:  # sealed again after this side verified it
+        raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest changed after it was "
+                            f"verified here: `doit pull verify run={run.run_id}` fetches and checks what it lists now")
     if s.snapshot(run, fresh=True)["alive"]:
         raise RunError(f"refusing to tear down {run.run_id}: it is still running: `doit stop` first")
     print(f"down will delete {run.remote_abs} on backend {s.job.backend} "

@@ -158,8 +158,10 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         return dict(doc="preflight the backend and copy the launcher there", actions=[action(session, phases.up)],
                     uptodate=[done(session, phases.up_done)])
 
-    def verified(phase: Callable) -> Callable[[Opener, str], dict]:
-        return lambda opener, label: dict(actions=[action(opener, phase)], uptodate=[done(opener, phases.pulled_done)])
+    def explicit(phase: Callable) -> Callable[[Opener, str], dict]:
+        """pull and verify asked for by name always run: pull compares the far side's manifest with the
+        one here, verify hashes every file again (the stat-only check is `train`'s)."""
+        return lambda opener, label: dict(actions=[action(opener, phase)])
 
     def simple(phase: Callable, *args: Any, **extra: Any) -> Callable[[Opener, str], dict]:
         return lambda opener, label: dict(actions=[action(opener, phase, *args)], **extra)
@@ -183,9 +185,9 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         "task_launch": per_run("launch", "start the run detached (never twice)", forward("launch")),
         "task_watch": per_run("watch", "follow the run until it ends; Ctrl-C leaves it running",
                               forward("watch", io={"capture": False})),
-        "task_pull": per_run("pull", "bring the run's files home, as its manifest lists them", verified(phases.pull)),
+        "task_pull": per_run("pull", "bring the run's files home, as its manifest lists them", explicit(phases.pull)),
         "task_verify": per_run("verify", "check every pulled file against the manifest; write PULL_VERIFIED.json",
-                               verified(phases.verify)),
+                               explicit(phases.verify)),
         "task_train": per_run("train", "up, push, launch, watch, then pull and verify (the default)", train),
         "task_down": per_run("down", "remove the far-side run dir; refused until PULL_VERIFIED.json matches "
                                      "the far side's manifest (confirm=yes)", down),

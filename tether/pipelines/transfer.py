@@ -2,19 +2,126 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
 import tarfile
+import threading
+import time
 import uuid
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
-from tether.errors import ManifestError
+from tether.errors import BackendError, ManifestError
+from tether.manifest import PART
 from tether.remote.fileio import CHUNK, sha256_file
 
 SMALL = 4 << 20  # files up to this size travel in tar batches: one round trip per batch, not three per file
 BATCH = 64 << 20  # bytes per batch: memory stays bounded whatever the total
+LARGE = 1 << 30  # a file above this is announced before it is pulled: it may fill the disk or take hours
 T = TypeVar("T")
+
+
+class Watchdog:
+    """Ends a transfer that moves no byte for `timeout_s`.
+
+    A peer that stops answering (a frozen server, a dead route) leaves a read blocked for ever:
+    nothing on this side times out while the TCP connection looks open. While `watching()`,
+    a thread calls `abort` once no `touch` came for `timeout_s`; abort must make the blocked
+    call fail (the ssh backend aborts its connection), and that failure leaves as one
+    BackendError. timeout_s None: never (a far side on this machine cannot stall).
+    """
+
+    def __init__(self, timeout_s: Optional[float], abort: Callable[[], None], where: str) -> None:
+        self.timeout_s, self.abort, self.where = timeout_s, abort, where
+        self.armed = False
+        self._last = 0.0
+        self._fired = False
+
+    def touch(self, moved: int = 0) -> None:
+        """Bytes moved: the transfer is alive."""
+        self._last = time.monotonic()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Guard the network calls inside; a stall turns whatever they raise into one clear error."""
+        if not self.timeout_s or self.armed:
+            yield
+            return
+        self.armed, self._fired = True, False
+        self.touch()
+        stop = threading.Event()
+        thread = threading.Thread(target=self._watch, args=(stop,), name="tether-stall-watchdog", daemon=True)
+        thread.start()
+        try:
+            yield
+        except Exception as err:
+            if self._fired:
+                raise BackendError(f"the copy from {self.where} sent nothing for {self.timeout_s:g} s; "
+                                   f"nothing is lost: run the same command again") from err
+            raise
+        finally:
+            stop.set()
+            thread.join()
+            self.armed = False
+
+    def _watch(self, stop: threading.Event) -> None:
+        assert self.timeout_s
+        while not stop.wait(min(1.0, self.timeout_s / 4)):  # a quarter of the limit: fires within 25% late
+            if time.monotonic() - self._last > self.timeout_s:
+                self._fired = True
+                self.abort()
+                return
+
+    def progress(self, bar: Any) -> "Watched":
+        return Watched(bar, self)
+
+
+class Watched:
+    """A progress bar whose every update also tells the watchdog that bytes moved."""
+
+    def __init__(self, bar: Any, watchdog: Watchdog) -> None:
+        self.bar, self.watchdog = bar, watchdog
+
+    def update(self, n: int) -> None:
+        self.watchdog.touch(n)
+        self.bar.update(n)
+
+    def write(self, text: str) -> None:
+        """A line of the pull's report, printed above the bar."""
+        self.bar.write(text, file=sys.stdout)
+
+
+UNWATCHED = Watchdog(None, lambda: None, "")  # the null object: transfers of a far side that cannot stall
+
+
+def size_policy(path: str, size: int, max_artifact_mb: Optional[float]) -> str:
+    """Why an artifact or checkpoint above max_artifact_mb stays on the far side ('' to fetch it)."""
+    if max_artifact_mb is None or not path.startswith(("artifacts/", "checkpoints/")):
+        return ""
+    if size > max_artifact_mb * (1 << 20):
+        return f"{size / (1 << 20):.1f} MB is above max_artifact_mb ({max_artifact_mb:g})"
+    return ""
+
+
+def large_warning(path: str, size: int) -> str:
+    """The line that announces a file above LARGE ('' below): it may fill the disk or take hours."""
+    if size <= LARGE:
+        return ""
+    limit = "; set max_artifact_mb to leave such files on the far side" \
+        if path.startswith(("artifacts/", "checkpoints/")) else ""
+    return f"pulling {path} ({size / (1 << 30):.1f} GiB){limit}"
+
+
+def far_side_changed(run_id: str, path: str, far_path: str, want: tuple[int, str],
+                     got: Optional[tuple[int, str]]) -> ManifestError:
+    """The far side's own copy differs from what it sealed (got None: is gone): pulling again fetches the same."""
+    found = "is gone (removed after sealing)" if got is None else \
+        f"no longer matches its sealed manifest (changed after sealing): it has {got[0]} bytes, sha256 {got[1][:12]}"
+    return ManifestError(
+        f"the far side's {path} {found}; the manifest says {want[0]} bytes, sha256 {want[1][:12]}. "
+        f"Pulling again cannot fix that: put the sealed file back at {far_path}, then `doit pull verify run={run_id}`; "
+        f"or, if it is lost, run the job again as a new run (change its code, data or trainer settings)")
 
 
 def batches(items: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
@@ -30,23 +137,29 @@ def batches(items: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
     return [g for g in groups if g]
 
 
-def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any) -> None:
-    """Write each member of a tar to its local place (path, bytes, sha256), checked, via `.part`."""
+def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any,
+           changed: Callable[[str, tuple[int, str], tuple[int, str]], Exception]) -> None:
+    """Write each member of a tar to its local place (path, bytes, sha256), checked, via `.part`.
+
+    The far side's `send` reads its files as they are now, so a member that does not match is
+    the far side's copy changed after sealing: `changed(path, wanted, got)` is raised.
+    """
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
         for member in tar.getmembers():
             if member.name not in expected or not member.isfile():
                 raise ManifestError(f"the far side sent {member.name!r}, which was not asked for")
             local, size, sha256 = expected.pop(member.name)
             os.makedirs(os.path.dirname(local), exist_ok=True)
-            with tar.extractfile(member) as source, open(local + ".part", "wb") as out:
+            with tar.extractfile(member) as source, open(local + PART, "wb") as out:
                 out.write(source.read())
             progress.update(member.size)
-            if not matches(local + ".part", size, sha256):
-                os.unlink(local + ".part")
-                raise ManifestError(f"{member.name}: the bytes received do not match the manifest: pull again")
-            os.replace(local + ".part", local)
+            got = sha256_file(local + PART)[::-1]
+            if got != (size, sha256):
+                os.unlink(local + PART)
+                raise changed(member.name, (size, sha256), got)
+            os.replace(local + PART, local)
     if expected:
-        raise ManifestError(f"the far side did not send {sorted(expected)[:5]}: pull again")
+        raise ManifestError(f"the far side did not send {sorted(expected)[:5]}: run the pull again")
 
 
 def bar(total: int, what: str) -> Any:
@@ -106,27 +219,48 @@ def matches(path: str, size: int, sha256: str) -> bool:
     return sha256_file(path)[0] == sha256
 
 
-def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, progress: Any) -> None:
-    """Download into `local`.part, continuing a partial one, check size and SHA-256, then rename."""
-    part = local + ".part"
+def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, progress: Any,
+                  changed: Callable[[tuple[int, str], Optional[tuple[int, str]]], Exception],
+                  watchdog: Watchdog = UNWATCHED) -> None:
+    """Download into `local`.part, continuing a partial one, check size and SHA-256, then rename.
+
+    A continued part that does not add up is fetched once more from zero; a whole fresh copy that
+    does not is the far side's file changed after sealing: `changed(wanted, got)` is raised.
+    """
+    part = local + PART
     os.makedirs(os.path.dirname(local), exist_ok=True)
     have = os.path.getsize(part) if os.path.exists(part) else 0
     if have > size:
         os.unlink(part)
         have = 0
-    progress.update(have)
-    if have == 0:  # a whole file: the filesystem's own get, with many requests in flight
-        fs.get_file(remote, part, callback=bar_callback(progress))
-    else:  # continue a partial one where it stopped
-        with fs.open(remote, "rb") as src, open(part, "ab") as dst:
-            src.seek(have)
-            for chunk in iter(lambda: src.read(CHUNK), b""):
-                dst.write(chunk)
-                progress.update(len(chunk))
-    with open(part, "rb+") as done:
-        os.fsync(done.fileno())
-    if not matches(part, size, sha256):
-        os.unlink(part)  # a resumed part that does not add up is restarted from zero next time
-        raise ManifestError(f"{remote}: the downloaded bytes do not match the manifest "
-                            f"(changed on the far side after sealing?): run the pull again")
+    if have:
+        progress.write(f"resuming {os.path.basename(local)} at {have / (1 << 20):.1f} of {size / (1 << 20):.1f} MiB")
+    try:
+        with watchdog.watching():
+            _append(fs, remote, part, have, progress)
+    except FileNotFoundError:  # the far side's copy was removed after sealing
+        raise changed((size, sha256), None)
+    got = sha256_file(part)[::-1]
+    if got != (size, sha256):
+        os.unlink(part)
+        if not have:
+            raise changed((size, sha256), got)
+        progress.update(-got[0])  # the continued part was stale (the far file changed, then was put back?)
+        return get_resumable(fs, remote, local, size, sha256, progress, changed, watchdog)
     os.replace(part, local)
+
+
+def _append(fs: Any, remote: str, part: str, have: int, progress: Any) -> None:
+    """Stream the far file from offset `have` onto the end of `part`, in order.
+
+    In order, not with the filesystem's get_file: that one writes many blocks in parallel, so the
+    part an interrupted get_file leaves can have holes, and could not be continued.
+    """
+    progress.update(have)
+    with fs.open(remote, "rb") as src, open(part, "ab") as dst:
+        src.seek(have)
+        for chunk in iter(lambda: src.read(CHUNK), b""):
+            dst.write(chunk)
+            progress.update(len(chunk))
+        dst.flush()
+        os.fsync(dst.fileno())

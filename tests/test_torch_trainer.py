@@ -157,17 +157,22 @@ def test_preempted_run_finishes_on_its_own_under_on_preempt(project):
     assert (status["status"], status["restarts"]) == ("completed", 1)
 
 
-def test_preempted_run_stays_preempted_under_never_until_train_resumes_it(project):
+def test_preempted_run_under_never_is_sealed_and_comes_home_with_its_checkpoint(project):
     use_torch(project, epochs=3, policy="never")
     doit = project.start("run", "train")
     preempt(project, 10, attempt=1)
     out, err = doit.communicate(timeout=180)
-    assert doit.returncode == 1 and "is preempted" in err and "doit run train" in err
+    assert doit.returncode == 1 and "is not restarted (restart policy 'never')" in err, err
+    assert "its latest checkpoint is checkpoints/" in err
     status = json.loads(project.doit("status", "json=1", check=True).stdout.splitlines()[-1])
     assert status["status"] == "preempted"
-    project.doit("run", "train", check=True, timeout=300)
-    status = json.loads(project.doit("status", "json=1", check=True).stdout.splitlines()[-1])
-    assert (status["status"], status["restarts"]) == ("completed", 1)
+    again = project.doit("run", "train", timeout=300)  # ended for good: never relaunched
+    assert again.returncode == 1 and "is not restarted" in again.stderr, again.stdout + again.stderr
+    assert [e["event"] for e in project.events()].count("launch") == 1
+    project.doit("pull", "verify", check=True, timeout=300)  # what the message promises comes home
+    verified = json.loads((project.local_run() / "PULL_VERIFIED.json").read_text())
+    assert any(path.startswith("checkpoints/") for path in verified["files"])
+    assert verified["torch_loaded"] >= 1  # the checkpoint that came home loads with weights_only=True
 
 
 @pytest.mark.parametrize("change, message", [

@@ -43,7 +43,7 @@ class Watchdog:
         self._last = time.monotonic()
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self, upload: bool = False) -> Iterator[None]:
         """Guard the network calls inside; a stall turns whatever they raise into one clear error."""
         if not self.timeout_s or self.armed:
             yield
@@ -57,7 +57,8 @@ class Watchdog:
             yield
         except Exception as err:
             if self._fired:
-                raise BackendError(f"the copy from {self.where} sent nothing for {self.timeout_s:g} s; "
+                what = f"the copy to {self.where} moved" if upload else f"the copy from {self.where} sent"
+                raise BackendError(f"{what} nothing for {self.timeout_s:g} s; "
                                    f"nothing is lost: run the same command again") from err
             raise
         finally:
@@ -196,7 +197,7 @@ def put_atomic(fs: Any, local: str, remote: str, progress: Any) -> None:
     except BaseException:
         try:
             fs.rm(tmp)
-        except (OSError, FileNotFoundError):
+        except Exception:  # best effort (a dropped connection raises its own errors): the first error matters
             pass  # a killed push's partial file is cleared by the next `have` of the same content
         raise
 

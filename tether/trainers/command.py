@@ -93,6 +93,8 @@ def checkpoint_problem(path: str) -> str:
         return f"trainer.checkpoint {path!r} is an absolute path, outside the run: {fix}"
     if ".." in parts:
         return f"trainer.checkpoint {path!r} leaves the run folder ('..'): {fix}"
+    if parts[-1] == "" and path.strip("/"):
+        return f"trainer.checkpoint {path!r} ends in '/': name the folder without it, e.g. {path.rstrip('/')!r}"
     if parts[-1] in ("", ".") or not path.strip():
         return f"trainer.checkpoint {path!r} names no file or folder: {fix}"
     if any(MAGIC.search(part) for part in parts[:-1]):

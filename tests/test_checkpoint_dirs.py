@@ -20,6 +20,7 @@ import pytest
 from conftest import config_text, ssh_config_text
 from tether.config import load
 from tether.errors import ConfigError
+from tether.manifest import content_problem
 from tether.remote import launcher
 
 HF_STYLE = """\
@@ -337,3 +338,15 @@ def test_a_lost_checkpoint_folder_is_restored_and_a_link_out_is_never_kept(tmp_p
     assert json.loads(Path(restored, "trainer_state.json").read_text())["global_step"] == 12
     assert f"Resuming training from checkpoint {restored} at step 12" in Path(run_dir, "train.log").read_text()
     assert not [e for e in os.listdir(os.path.join(run_dir, "checkpoints")) if e.startswith(".")]  # no scratch left
+
+
+def test_a_safetensors_file_is_verified_by_its_header(tmp_path):
+    """verify opens what a checkpoint folder holds: a .safetensors file's header must be there and parse."""
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    good, bad, short = tmp_path / "model.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    good.write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\0")
+    bad.write_bytes(b"weights")  # an empty file's cousin: what a write cut short leaves
+    short.write_bytes((1000).to_bytes(8, "little") + header)
+    assert content_problem(str(good), {}) == ""
+    assert content_problem(str(bad), {}).startswith("ValueError: not a safetensors file: its header length")
+    assert content_problem(str(short), {}).startswith("ValueError: not a safetensors file: its header length")

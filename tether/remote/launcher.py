@@ -105,12 +105,12 @@ def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     mapped = spec.get("checkpoint_path")
     if not mapped:
         return
-    result = own_checkpoints.keep(run_dir, mapped, int(spec.get("checkpoint_keep", 3)))
-    for path, reason in sorted(result["skipped"].items()):
+    kept, skipped = own_checkpoints.keep(run_dir, mapped, int(spec.get("checkpoint_keep", 3)))
+    for path, reason in sorted(skipped.items()):
         event(run_dir, "checkpoint_not_kept", path=os.path.relpath(path, own_checkpoints.script_path(run_dir, "")),
               reason=reason)
-    if result["kept"]:
-        event(run_dir, "checkpoint_kept", path=os.path.relpath(result["kept"], run_dir))
+    if kept:
+        event(run_dir, "checkpoint_kept", path=os.path.relpath(kept, run_dir))
 
 
 def _saved_checkpoint(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:

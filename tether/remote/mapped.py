@@ -119,6 +119,14 @@ def problem(path: str, hf: bool = False) -> str:
     return ""
 
 
+def _checked(path: str, hf: bool) -> str:
+    """problem(), with a candidate that cannot be read (gone, no permission) named, never a launcher crash."""
+    try:
+        return problem(path, hf)
+    except OSError as err:
+        return "could not be read: %s" % err
+
+
 def newest_last(paths: List[str]) -> List[str]:
     """Oldest first: by the numbers in the names when every name has one (checkpoint-1200), else by mtime."""
     numbers = {p: tuple(int(n) for n in re.findall(r"\d+", os.path.basename(p))) for p in paths}
@@ -131,7 +139,7 @@ def complete(run_dir: str, pattern: str) -> Tuple[List[str], Dict[str, str]]:
     """The script's complete checkpoints (oldest first) and, for the others, why they are not."""
     found = candidates(run_dir, pattern)
     hf = _is_hf(found)
-    why = {p: problem(p, hf) for p in found}
+    why = {p: _checked(p, hf) for p in found}
     return newest_last([p for p in found if not why[p]]), {p: w for p, w in why.items() if w}
 
 
@@ -227,10 +235,10 @@ def clean(folder: str) -> None:
 # ---------------------------------------------------------------- what the launcher calls
 
 
-def keep(run_dir: str, pattern: str, keep_n: int) -> Dict[str, object]:
+def keep(run_dir: str, pattern: str, keep_n: int) -> Tuple[Optional[str], Dict[str, str]]:
     """After the trainer exits: copy its newest `keep_n` complete checkpoints into checkpoints/, prune older ones.
 
-    Returns {"kept": newest kept path or None, "skipped": {script path: why}} for the events.
+    Returns the newest kept copy (or None) and, for the events, why each other candidate was not taken.
     """
     clean(kept_dir(run_dir))
     ready, skipped = complete(run_dir, pattern)
@@ -241,13 +249,13 @@ def keep(run_dir: str, pattern: str, keep_n: int) -> Dict[str, object]:
     for old in kept(run_dir, pattern)[:-max(1, keep_n)]:
         _remove(old)
     fsync_dir(kept_dir(run_dir))
-    return {"kept": newest_kept(run_dir, pattern), "skipped": skipped}
+    return newest_kept(run_dir, pattern), skipped
 
 
 def resume_point(run_dir: str, pattern: str) -> Optional[str]:
     """Before a launch: the newest complete checkpoint at the script's place, restored from the kept copy if lost."""
     ready = {os.path.basename(p): p for p in complete(run_dir, pattern)[0]}
-    saved = {os.path.basename(p): p for p in kept(run_dir, pattern) if not problem(p)}
+    saved = {os.path.basename(p): p for p in kept(run_dir, pattern) if not _checked(p, False)}
     if not ready and not saved:
         return None
     best = os.path.basename(newest_last(list({**saved, **ready}.values()))[-1])

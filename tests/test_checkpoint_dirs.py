@@ -220,6 +220,22 @@ def test_a_stopped_run_keeps_seals_and_brings_home_its_newest_folder(project):
     assert_pulled_and_verified(project, run_id, "checkpoint-6")
 
 
+def test_a_run_whose_launcher_was_killed_keeps_its_newest_folder_when_stopped(project):
+    use_hf(project, "--hold_at 6")
+    project.doit("run", "launch", check=True, timeout=120)
+    run_id = project.run_ids()[0]
+    log = project.remote_run(run_id) / "train.log"
+    project.wait_for(lambda: log.exists() and "checkpoint-6\n" in log.read_text(), timeout=60,
+                     what="the trainer to save checkpoint-6 and hold")
+    os.kill(json.loads((project.remote_run(run_id) / "state.json").read_text())["pid"], signal.SIGKILL)
+    stopped = project.doit("stop")  # the trainer still runs (it holds the lock); stop ends it and closes the run
+    assert stopped.returncode == 0 and f"{run_id}: stopped" in stopped.stdout, out(stopped)
+    state = json.loads((project.remote_run(run_id) / "state.json").read_text())
+    assert state["status"] == "stopped" and state["checkpoint"] == "checkpoints/checkpoint-6", state
+    manifest = json.loads((project.remote_run(run_id) / "PULL_MANIFEST.json").read_text())
+    assert "checkpoints/checkpoint-6/trainer_state.json" in [e["path"] for e in manifest["files"]], manifest
+
+
 # ---------------------------------------------------------------- over ssh (a real sshd)
 
 

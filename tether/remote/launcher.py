@@ -99,8 +99,9 @@ def _resume_point(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
 def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     """Keep the script's newest complete checkpoints in checkpoints/, so the manifest and resumes see them.
 
-    Runs after every exit of the trainer, preemption included; a SIGKILL of the launcher itself
-    skips it for that attempt (the next exit keeps them).
+    Runs after every exit of the trainer, preemption included, and when `stop` or `cancel` ends a
+    run whose launcher was gone. A launcher SIGKILLed with nobody stopping the run after it skips
+    it (a relaunch still resumes from the script's own folder, which holds them).
     """
     mapped = spec.get("checkpoint_path")
     if not mapped:
@@ -411,8 +412,7 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
         return {"outcome": "error", "survivors": survivors,
                 "error": "processes survived SIGKILL: %s" % survivors}
     if not is_final(read_json(run_file(run_dir, "state.json")) or {}):
-        update_state(run_dir, status="stopped", final=True, ended_at=now())  # the launcher died first
-        seal(run_dir)
+        _stopped_without_launcher(run_dir)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
 
 
@@ -421,9 +421,16 @@ def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     outcome = scheduler.cancel(run_dir, grace_s)
     state = read_json(run_file(run_dir, "state.json")) or {}
     if outcome["outcome"] == "stopped" and not is_final(state) and not is_alive(run_dir):
-        update_state(run_dir, status="stopped", final=True, ended_at=now())
-        seal(run_dir)
+        _stopped_without_launcher(run_dir)
     return outcome
+
+
+def _stopped_without_launcher(run_dir: str) -> None:
+    """Record a run whose launcher died first as stopped: keep the script's checkpoints as it would have, seal."""
+    spec = read_json(run_file(run_dir, "run.json")) or {}
+    _keep_mapped_checkpoint(run_dir, spec)
+    update_state(run_dir, status="stopped", final=True, ended_at=now(), checkpoint=_saved_checkpoint(run_dir, spec))
+    seal(run_dir)
 
 
 def _is_our_launcher(pid: int, run_dir: str) -> bool:

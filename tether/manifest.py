@@ -69,7 +69,7 @@ def content_problem(path: str, notes: dict) -> str:
 
 
 def _safetensors_header(path: str) -> None:
-    """Read a .safetensors file's header (8-byte little-endian length, then a JSON object); ValueError if it is not one."""
+    """A .safetensors file's header (8-byte little-endian length, then a JSON object) reads; ValueError if not."""
     with open(path, "rb") as f:
         head = f.read(8)
         size = int.from_bytes(head, "little") if len(head) == 8 else -1

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import config_text, ssh_config_text
+from helpers import stop_leftover_runs
 from tether.config import load
 from tether.errors import ConfigError
 from tether.manifest import content_problem
@@ -255,7 +256,6 @@ def test_checkpoint_folders_over_ssh(project, sshd, tmp_path):
             assert sha256(local / "files" / path) == sha256(remote / path)
             assert path in json.loads((local / "PULL_VERIFIED.json").read_text())["files"]
     finally:
-        from helpers import stop_leftover_runs
         stop_leftover_runs(far)
 
 

@@ -485,6 +485,7 @@ def test_preempted_run_the_policy_will_not_restart_is_sealed_and_comes_home(proj
     assert [e["event"] for e in project.events(run_id)].count("launch") == 1
 
 
+EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"  # the smallest real one: a header, no tensors
 HF_LIKE = """\
 import json, os
 from tether.trainers import runtime
@@ -492,10 +493,10 @@ for step in range(1, 4):
     runtime.log("step", step=step, total_steps=3, loss=1.0 / step)
 os.makedirs("outputs/checkpoint-3", exist_ok=True)  # what Hugging Face's Trainer leaves: a folder
 with open("outputs/checkpoint-3/model.safetensors", "wb") as f:
-    f.write(b"weights")
+    f.write(%r)
 with open(os.path.join(os.environ["TETHER_ARTIFACTS_DIR"], "model.json"), "w") as f:
     json.dump({"step": 3}, f)
-"""
+""" % EMPTY_SAFETENSORS
 
 SABOTEUR = """\
 import json, os
@@ -512,18 +513,20 @@ with open(os.path.join(os.environ["TETHER_ARTIFACTS_DIR"], "model.json"), "w") a
 
 def test_a_checkpoint_folder_does_not_crash_the_launcher(project):
     """`checkpoint: outputs` (a Hugging Face output folder) once killed the launcher after training: the
-    run read as lost (machine rebooted?) and would have trained again."""
+    run read as lost (machine rebooted?) and would have trained again. A folder is kept whole now."""
     _use(project, "hf.py", HF_LIKE, "model.json", trainer="  checkpoint: outputs\n")
     done = project.doit("run", "train", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     run_id = project.run_ids()[0]
     state = json.loads((project.remote_run(run_id) / "state.json").read_text())
     assert state["status"] == "completed" and state["final"] is True and "launcher_error" not in state
-    assert (project.local_run(run_id) / "files" / "artifacts" / "model.json").is_file()
-    skipped = [e for e in project.events(run_id) if e["event"] == "checkpoint_not_kept"]
-    assert [e["path"] for e in skipped] == ["outputs"]
+    assert state["checkpoint"] == "checkpoints/outputs"
+    files = project.local_run(run_id) / "files"
+    assert (files / "artifacts" / "model.json").is_file()
+    assert (files / "checkpoints" / "outputs" / "checkpoint-3" / "model.safetensors").read_bytes() == EMPTY_SAFETENSORS
+    assert (project.local_run(run_id) / "PULL_VERIFIED.json").is_file()
     assert (project.remote_run(run_id) / "code" / "outputs" / "checkpoint-3" / "model.safetensors").read_bytes() \
-        == b"weights"  # the folder itself stays where the script wrote it
+        == EMPTY_SAFETENSORS  # the folder itself stays where the script wrote it
 
 
 def test_a_launcher_failure_is_reported_as_one_and_its_results_come_home(project):

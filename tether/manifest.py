@@ -40,7 +40,7 @@ def local_files(run: RunPaths) -> set[str]:
 
 
 def content_problem(path: str, notes: dict) -> str:
-    """Why a pulled file's content is unusable ('' when fine): JSON parses, torch checkpoints load.
+    """Why a pulled file's content is unusable ('' when fine): JSON parses, torch and safetensors files open.
 
     A torch checkpoint (a zip archive) is loaded with weights_only=True when torch is installed;
     `notes` counts what was loaded and what could only be checked by hash.
@@ -55,6 +55,8 @@ def content_problem(path: str, notes: dict) -> str:
                 for line in f:
                     if line.strip():
                         json.loads(line)
+        elif name.endswith(".safetensors"):
+            _safetensors_header(path)
         elif zipfile.is_zipfile(path):
             torch = _torch()
             notes["torch_files"] = notes.get("torch_files", 0) + 1
@@ -64,6 +66,17 @@ def content_problem(path: str, notes: dict) -> str:
     except Exception as err:  # any failure to parse or load is the finding
         return f"{type(err).__name__}: {str(err)[:200]}"
     return ""
+
+
+def _safetensors_header(path: str) -> None:
+    """A .safetensors file's header (8-byte little-endian length, then a JSON object) reads; ValueError if not."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < size <= os.fstat(f.fileno()).st_size - 8:
+            raise ValueError("not a safetensors file: its header length is missing or past the end")
+        if not isinstance(json.loads(f.read(size)), dict):
+            raise ValueError("not a safetensors file: its header is not a JSON object")
 
 
 def _torch():

@@ -28,6 +28,7 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__))
 SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
     "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
     "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py",
+    "tether/remote/mapped.py",
     "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
     "tether/remote/owner.py",

@@ -37,7 +37,6 @@ if __name__ == "__main__":
 
 import glob  # noqa: E402 (after the path is set)
 import json  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
@@ -46,6 +45,7 @@ import traceback  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
 from tether.remote import machine, objects, scheduler  # noqa: E402
+from tether.remote import mapped as own_checkpoints  # noqa: E402
 from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
 from tether.remote.rundir import (  # noqa: E402
     decide_final, event, is_alive, is_final, now, restart_allowed, run_file, seal, try_lock, update_state,
@@ -89,45 +89,35 @@ def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> D
 
 
 def _resume_point(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
-    """The checkpoint to resume from: the script's own mapped file, else the runtime's latest."""
+    """The checkpoint to resume from: the script's own (file, folder or glob's newest), else the runtime's latest."""
     mapped = spec.get("checkpoint_path")
     if mapped:
-        own = os.path.join(run_dir, "code", mapped)
-        saved = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
-        if not os.path.exists(own) and _inside_file(run_dir, saved):
-            os.makedirs(os.path.dirname(own), exist_ok=True)
-            shutil.copy2(saved, own)
-        return own if os.path.exists(own) else None
+        return own_checkpoints.resume_point(run_dir, mapped)
     return latest_checkpoint(run_file(run_dir, "checkpoints"))
 
 
-def _inside_file(run_dir: str, path: str) -> bool:
-    """Whether `path` is a regular file inside the run dir, links resolved (a link may lead anywhere)."""
-    real = os.path.realpath(path)
-    return real.startswith(os.path.realpath(run_dir) + os.sep) and os.path.isfile(real)
-
-
 def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
-    """Copy a script's own checkpoint file into checkpoints/ so the manifest and resumes see it."""
+    """Keep the script's newest complete checkpoints in checkpoints/, so the manifest and resumes see them.
+
+    Runs after every exit of the trainer, preemption included, and when `stop` or `cancel` ends a
+    run whose launcher was gone. A launcher SIGKILLed with nobody stopping the run after it skips
+    it (a relaunch still resumes from the script's own folder, which holds them).
+    """
     mapped = spec.get("checkpoint_path")
-    own = os.path.join(run_dir, "code", mapped) if mapped else ""
-    if not own or not os.path.lexists(own):
+    if not mapped:
         return
-    if not _inside_file(run_dir, own):  # a folder (Hugging Face's outputs/) is not copied yet, nor a far link
-        event(run_dir, "checkpoint_not_kept", path=mapped,
-              reason="not a file in the run folder: only a file checkpoint is copied into checkpoints/")
-        return
-    target = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
-    tmp = target + ".tmp-%d" % os.getpid()
-    shutil.copy2(os.path.realpath(own), tmp)
-    os.replace(tmp, target)
+    kept, skipped = own_checkpoints.keep(run_dir, mapped, int(spec.get("checkpoint_keep", 3)))
+    for path, reason in sorted(skipped.items()):
+        event(run_dir, "checkpoint_not_kept", path=os.path.relpath(path, own_checkpoints.script_path(run_dir, "")),
+              reason=reason)
+    if kept:
+        event(run_dir, "checkpoint_kept", path=os.path.relpath(kept, run_dir))
 
 
 def _saved_checkpoint(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
     """The checkpoint this run leaves (relative to the run dir), or None: what a message may promise."""
-    mapped = spec.get("checkpoint_path")
-    kept = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped))) if mapped else ""
-    found = kept if kept and os.path.isfile(kept) else latest_checkpoint(run_file(run_dir, "checkpoints"))
+    found = own_checkpoints.newest_kept(run_dir, spec.get("checkpoint_path")) or \
+        latest_checkpoint(run_file(run_dir, "checkpoints"))
     return os.path.relpath(found, run_dir) if found else None
 
 
@@ -422,8 +412,7 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
         return {"outcome": "error", "survivors": survivors,
                 "error": "processes survived SIGKILL: %s" % survivors}
     if not is_final(read_json(run_file(run_dir, "state.json")) or {}):
-        update_state(run_dir, status="stopped", final=True, ended_at=now())  # the launcher died first
-        seal(run_dir)
+        _stopped_without_launcher(run_dir)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
 
 
@@ -432,9 +421,16 @@ def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     outcome = scheduler.cancel(run_dir, grace_s)
     state = read_json(run_file(run_dir, "state.json")) or {}
     if outcome["outcome"] == "stopped" and not is_final(state) and not is_alive(run_dir):
-        update_state(run_dir, status="stopped", final=True, ended_at=now())
-        seal(run_dir)
+        _stopped_without_launcher(run_dir)
     return outcome
+
+
+def _stopped_without_launcher(run_dir: str) -> None:
+    """Record a run whose launcher died first as stopped: keep the script's checkpoints as it would have, seal."""
+    spec = read_json(run_file(run_dir, "run.json")) or {}
+    _keep_mapped_checkpoint(run_dir, spec)
+    update_state(run_dir, status="stopped", final=True, ended_at=now(), checkpoint=_saved_checkpoint(run_dir, spec))
+    seal(run_dir)
 
 
 def _is_our_launcher(pid: int, run_dir: str) -> bool:

@@ -15,6 +15,7 @@ import stat
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from tether.remote import mapped
 from tether.remote.fileio import atomic_write_json, read_json, sha256_regular
 from tether.trainers.runtime import latest_checkpoint
 
@@ -250,14 +251,26 @@ def _fixed(run_dir: str, relpath: str) -> Tuple[List[str], List[Dict[str, str]]]
     return ([relpath] if kind == "file" else []), []
 
 
+def _own_checkpoint(run_dir: str, pattern: Optional[str]) -> Tuple[List[str], List[Dict[str, str]]]:
+    """The newest kept copy of the script's own checkpoint: the file, or every file of the folder."""
+    newest = mapped.newest_kept(run_dir, pattern)
+    if not newest:
+        return [], []
+    relpath = os.path.relpath(newest, run_dir).replace(os.sep, "/")
+    if _kind(run_dir, relpath)[0] != "dir":  # a file, or a link somewhere on the way (refused by name)
+        return _fixed(run_dir, relpath)
+    files, others = mapped.tree(newest)
+    return ([posixpath.join(relpath, f) for f in files],
+            [{"path": posixpath.join(relpath, o), "reason": NOT_REGULAR} for o in others])
+
+
 def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, Any]:
     """The files the manifest lists, the declared artifacts that matched nothing, and what was refused."""
     wanted = list(SEALED_FILES)
     latest = latest_checkpoint(run_file(run_dir, "checkpoints"))
     wanted += [os.path.relpath(latest, run_dir)] if latest else []
-    mapped = spec.get("checkpoint_path")
-    wanted += [posixpath.join("checkpoints", posixpath.basename(mapped))] if mapped else []
-    files, missing, refused = [], [], []
+    files, refused = _own_checkpoint(run_dir, spec.get("checkpoint_path"))
+    missing: List[str] = []
     for relpath in wanted:
         listed, why = _fixed(run_dir, relpath)
         files, refused = files + listed, refused + why

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -10,6 +11,7 @@ from typing import Optional, Union
 from tether.errors import ConfigError
 
 RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
+MAGIC = re.compile(r"[*?[]")  # what makes a path part a glob (as the far side reads it)
 
 
 @dataclass(frozen=True)
@@ -17,8 +19,10 @@ class Config:
     """trainer: {type: command, command: "{python} train.py", resume_args: [...], checkpoint: PATH}
 
     `{python}` in the command is the far side's interpreter; `{checkpoint}` in resume_args is
-    the checkpoint to resume from. `checkpoint` names a file the script writes itself
-    (relative to the code snapshot): it is kept with the run and restored before a resume.
+    the checkpoint to resume from. `checkpoint` names what the script writes itself, relative to
+    where it runs: a file (out/ckpt.pt), a folder, or a glob in its last part
+    (outputs/checkpoint-*: the newest complete match). It is kept with the run and restored
+    before a resume.
     """
 
     command: Union[str, tuple[str, ...]]
@@ -74,8 +78,26 @@ class Config:
         found = []
         if not argv:
             found.append("trainer.command is empty: give the program to run, e.g. \"{python} train.py\"")
-        if self.checkpoint and (self.checkpoint.startswith("/") or ".." in self.checkpoint.split("/")):
-            found.append("trainer.checkpoint must be a path inside the code snapshot, not %r" % self.checkpoint)
+        if self.checkpoint is not None:
+            found += [p for p in [checkpoint_problem(self.checkpoint)] if p]
         if self.resume_args and not self.checkpoint and not any("{checkpoint}" in a for a in self.resume_args):
             found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
         return found
+
+
+def checkpoint_problem(path: str) -> str:
+    """Why `trainer.checkpoint` cannot name a checkpoint inside the run, as a sentence naming the fix ('' if it can)."""
+    fix = "name it relative to where the script runs, e.g. out/ckpt.pt or outputs/checkpoint-*"
+    parts = path.replace("\\", "/").split("/")
+    if path.replace("\\", "/").startswith("/") or path.startswith("~"):
+        return f"trainer.checkpoint {path!r} is an absolute path, outside the run: {fix}"
+    if ".." in parts:
+        return f"trainer.checkpoint {path!r} leaves the run folder ('..'): {fix}"
+    if parts[-1] == "" and path.strip("/"):
+        return f"trainer.checkpoint {path!r} ends in '/': name the folder without it, e.g. {path.rstrip('/')!r}"
+    if parts[-1] in ("", ".") or not path.strip():
+        return f"trainer.checkpoint {path!r} names no file or folder: {fix}"
+    if any(MAGIC.search(part) for part in parts[:-1]):
+        return (f"trainer.checkpoint {path!r} has a wildcard before its last part: only the last part may be "
+                f"a glob, e.g. outputs/checkpoint-*")
+    return ""

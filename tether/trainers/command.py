@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from tether.errors import ConfigError
+from tether.remote import progress
 
 RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
 
@@ -19,6 +20,8 @@ class Config:
     `{python}` in the command is the far side's interpreter; `{checkpoint}` in resume_args is
     the checkpoint to resume from. `checkpoint` names a file the script writes itself
     (relative to the code snapshot): it is kept with the run and restored before a resume.
+    `progress` (a preset, `tqdm` or `dict`, or a regex with a (?P<step>...) group) reads step
+    events from the script's own output; `total_steps` is a number or the name of a group.
     """
 
     command: Union[str, tuple[str, ...]]
@@ -26,6 +29,8 @@ class Config:
     resume_args: tuple[str, ...] = ()
     checkpoint: Optional[str] = None
     env: dict = field(default_factory=dict)
+    progress: Optional[str] = None
+    total_steps: Union[int, str, None] = None
 
     def requires(self) -> tuple[str, ...]:
         """Python modules the far side must have (the command's own needs are its business)."""
@@ -44,8 +49,11 @@ class Config:
 
     def launch_spec(self) -> dict:
         """What the launcher needs to start this trainer (stored in run.json)."""
-        return {"argv": self.argv(), "resume_args": list(self.resume_args),
+        spec = {"argv": self.argv(), "resume_args": list(self.resume_args),
                 "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
+        if self.progress:  # only when set: the run.json (and id) of a run without it stays as it was
+            spec.update(progress=self.progress, total_steps=self.total_steps)
+        return spec
 
     def sweep_problems(self, keys: list[str]) -> list[str]:
         """A swept key reaches the program as `{key}` in the command, e.g. --lr {lr}."""
@@ -78,4 +86,4 @@ class Config:
             found.append("trainer.checkpoint must be a path inside the code snapshot, not %r" % self.checkpoint)
         if self.resume_args and not self.checkpoint and not any("{checkpoint}" in a for a in self.resume_args):
             found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
-        return found
+        return found + progress.problems(self.progress, self.total_steps)

@@ -1,0 +1,194 @@
+"""Progress for any script, from its own output: `trainer.progress` on real scripts, real processes.
+
+The scripts are written the way public training scripts are (no `tether` import): one draws a
+real tqdm bar on stderr, one prints Hugging Face Trainer-style dict lines under a tqdm bar, one
+prints `step 10 loss 2.3` and is read with a regex of the config's own. Each run goes through
+`doit run train` (watch's output captured), then `doit status` and `doit report`; one runs over
+a real sshd. A script without `progress:` shows its latest log line, never a frozen `0step`, and
+a bad `progress:` is refused in one line before anything launches.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import config_text
+from helpers import stop_leftover_runs
+
+TQDM_SCRIPT = """\
+import sys, time
+from tqdm import tqdm
+
+bar = tqdm(total=60, desc="train", file=sys.stderr, mininterval=0, miniters=1)
+for i in range(60):
+    time.sleep(0.02)
+    bar.set_postfix(loss=round(3.0 / (i + 1), 4), refresh=False)
+    bar.update(1)
+bar.close()
+print("done")
+"""
+
+HF_SCRIPT = """\
+import sys, time
+from tqdm import tqdm
+
+# Hugging Face's Trainer: a bar over the optimizer steps on stderr, a dict of logs every
+# logging_steps written above it (tqdm.write, to stdout), a final train_runtime dict.
+bar = tqdm(total=45, file=sys.stderr, mininterval=0, miniters=1)
+for step in range(1, 46):
+    time.sleep(0.02)
+    bar.update(1)
+    if step % 15 == 0:
+        bar.write(str({"loss": round(4.0 - step / 15, 4), "grad_norm": 1.25, "learning_rate": 0.0003,
+                       "epoch": round(step / 45, 2)}))
+        time.sleep(0.6)  # logs further apart than the events' rate limit: every one is kept
+    if step == 30:  # an evaluation bar inside the training one
+        for _ in tqdm(range(4), file=sys.stderr, leave=False):
+            time.sleep(0.01)
+bar.close()
+print({"train_runtime": 1.5, "train_samples_per_second": 30.0, "train_loss": 2.5, "epoch": 1.0})
+"""
+
+REGEX_SCRIPT = """\
+import time
+
+for step in range(1, 51):
+    print(f"step {step} loss {5.0 / step:.4f} | lr 0.001", flush=True)
+    time.sleep(0.03)
+"""
+
+QUIET_SCRIPT = """\
+import time
+
+for shard in range(1, 4):
+    print(f"loading shard {shard} of 3", flush=True)
+    time.sleep(0.6)
+print("all shards loaded, finished", flush=True)
+"""
+
+
+def use_script(project, name: str, source: str, progress: str | None = None, total_steps=None,
+               backend_name: str = "local", backend: str = "{type: local}") -> None:
+    """Put a script into the project and point tether.yaml at it, with `progress:` lines if given."""
+    (project.root / "demo" / name).write_text(source)
+    text = config_text(command="{python} demo/" + name, code="demo/" + name, artifacts="",
+                       backend_name=backend_name, backend=backend)
+    extra = "".join(f"  {key}: {value}\n" for key, value in (("progress", progress), ("total_steps", total_steps))
+                    if value is not None)
+    command = f'  command: "{{python}} demo/{name}"\n'
+    assert command in text
+    project.write_config(text.replace(command, command + extra))
+
+
+def train(project, far: Path | None = None) -> subprocess.CompletedProcess:
+    done = project.doit("run", "train")
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def progress_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("event") == "step" and e.get("source") == "progress"]
+
+
+def status(project) -> dict:
+    done = project.doit("status", "json=1")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the three shapes
+
+
+def test_tqdm_bar_gives_steps_loss_status_watch_and_report(project):
+    use_script(project, "bar.py", TQDM_SCRIPT, progress="tqdm")
+    done = train(project)
+    steps = progress_events(project.events())
+    assert steps, project.events()
+    last = steps[-1]
+    assert (last["step"], last["total_steps"], last["loss"]) == (60, 60, 0.05), last
+    assert [e["step"] for e in steps] == sorted(e["step"] for e in steps)
+    assert len(steps) < 20, f"not rate-limited: {len(steps)} events for 60 bar lines"
+    exits = [e for e in project.events() if e["event"] == "exit"]
+    assert exits and last["t"] <= exits[-1]["t"]  # written before the exit (and the seal)
+    assert "60/60" in done.stderr and "loss=0.05" in done.stderr, done.stderr  # watch's bar
+    info = status(project)
+    assert (info["step"], info["loss"]) == (60, 0.05), info
+    text = project.doit("status").stdout
+    assert "step" in text and "60" in text and "loss" in text, text
+    report = project.doit("report")
+    assert report.returncode == 0, report.stdout + report.stderr
+    folder = project.local_run() / "report"
+    assert json.loads((folder / "facts.json").read_text())["steps"] == 60
+    assert (folder / "curves.png").stat().st_size > 0
+    assert "train.log" in json.dumps(json.loads((project.local_run() / "PULL_MANIFEST.json").read_text()))
+
+
+def test_dict_lines_take_the_step_from_the_training_bar(project):
+    use_script(project, "hf.py", HF_SCRIPT, progress="dict")
+    train(project)
+    logged = [e for e in progress_events(project.events()) if "loss" in e]
+    assert [(e["step"], e["loss"], e["total_steps"]) for e in logged] == [(15, 3.0, 45), (30, 2.0, 45), (45, 1.0, 45)]
+    assert logged[0]["learning_rate"] == 0.0003 and logged[0]["grad_norm"] == 1.25
+    final = [e for e in progress_events(project.events()) if "train_runtime" in e]
+    assert final and final[-1]["train_loss"] == 2.5 and final[-1]["step"] == 45
+    assert status(project)["loss"] == 1.0
+
+
+def test_custom_regex_with_a_total_from_the_config(project):
+    use_script(project, "plain.py", REGEX_SCRIPT, progress=r"'step (?P<step>\d+) loss (?P<loss>[\d.]+)'",
+               total_steps=50)
+    done = train(project)
+    steps = progress_events(project.events())
+    assert (steps[-1]["step"], steps[-1]["loss"], steps[-1]["total_steps"]) == (50, 0.1, 50), steps[-1]
+    assert all(set(e) == {"event", "t", "source", "step", "loss", "total_steps"} for e in steps), steps
+    assert "50/50" in done.stderr, done.stderr
+    assert status(project)["step"] == 50
+
+
+# ---------------------------------------------------------------- without progress:, and bad settings
+
+
+def test_without_progress_watch_shows_the_latest_log_line_never_0step(project):
+    use_script(project, "quiet.py", QUIET_SCRIPT)
+    done = train(project)
+    assert "0step" not in done.stderr and "?step/s" not in done.stderr, done.stderr
+    assert "loading shard" in done.stderr, done.stderr  # shown while it ran
+    assert "all shards loaded, finished" in done.stderr, done.stderr  # and the last line at the end
+    assert not progress_events(project.events())
+
+
+@pytest.mark.parametrize("progress, words", [
+    ("'step (?P<step>\\d+'", "is not a regular expression"),
+    ("'loss (?P<loss>[\\d.]+)'", "names no step"),
+])
+def test_bad_progress_is_refused_in_one_line_before_launch(project, progress, words):
+    use_script(project, "plain.py", REGEX_SCRIPT, progress=progress)
+    done = project.doit("run", "train")
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()  # the first task (up) stops at the config: one line
+    assert len(lines) == 1 and lines[0].startswith("error: up: "), done.stdout + done.stderr
+    assert f"tether.yaml:10: error: trainer.progress: " in lines[0] and words in lines[0], lines
+    assert project.run_ids() == [] and not (project.root / ".tether" / "remote" / "runs").exists()
+
+
+# ---------------------------------------------------------------- over ssh
+
+
+def test_progress_events_over_ssh(project, sshd, tmp_path):
+    far = tmp_path / "far"
+    try:
+        use_script(project, "bar.py", TQDM_SCRIPT, progress="tqdm", backend_name="lab",
+                   backend=json.dumps(sshd.backend_config(far)))
+        done = train(project)
+        run_id = project.run_ids()[-1]
+        lines = (far / "runs" / run_id / "events.jsonl").read_text().splitlines()
+        steps = progress_events([json.loads(line) for line in lines])
+        assert steps and (steps[-1]["step"], steps[-1]["total_steps"]) == (60, 60), steps
+        assert "60/60" in done.stderr, done.stderr
+        assert status(project)["step"] == 60
+    finally:
+        stop_leftover_runs(far)

@@ -115,6 +115,7 @@ def test_tqdm_bar_gives_steps_loss_status_watch_and_report(project):
     exits = [e for e in project.events() if e["event"] == "exit"]
     assert exits and last["t"] <= exits[-1]["t"]  # written before the exit (and the seal)
     assert "60/60" in done.stderr and "loss=0.05" in done.stderr, done.stderr  # watch's bar
+    assert "0step" not in done.stderr, done.stderr
     info = status(project)
     assert (info["step"], info["loss"]) == (60, 0.05), info
     text = project.doit("status").stdout
@@ -129,13 +130,17 @@ def test_tqdm_bar_gives_steps_loss_status_watch_and_report(project):
 
 def test_dict_lines_take_the_step_from_the_training_bar(project):
     use_script(project, "hf.py", HF_SCRIPT, progress="dict")
-    train(project)
-    logged = [e for e in progress_events(project.events()) if "loss" in e]
+    done = train(project)
+    steps = progress_events(project.events())
+    assert {e["total_steps"] for e in steps} == {45}, steps  # the evaluation bar (4 steps) is not followed
+    assert any(set(e) == {"event", "t", "source", "step", "total_steps"} for e in steps), steps  # the bar alone
+    logged = [e for e in steps if "loss" in e]
     assert [(e["step"], e["loss"], e["total_steps"]) for e in logged] == [(15, 3.0, 45), (30, 2.0, 45), (45, 1.0, 45)]
     assert logged[0]["learning_rate"] == 0.0003 and logged[0]["grad_norm"] == 1.25
     final = [e for e in progress_events(project.events()) if "train_runtime" in e]
     assert final and final[-1]["train_loss"] == 2.5 and final[-1]["step"] == 45
     assert status(project)["loss"] == 1.0
+    assert "45/45" in done.stderr and "loss=1]" in done.stderr, done.stderr  # the newest loss, shown
 
 
 def test_custom_regex_with_a_total_from_the_config(project):

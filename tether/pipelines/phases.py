@@ -214,7 +214,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
                 progress.write(f"{run.run_id}: reconnected after {time.monotonic() - lost_since:.0f}s", file=sys.stderr)
                 lost_since = None
             if line is None:
-                _show(progress, reader, label)
+                _show(progress, reader, events, label)
             else:
                 _show_waiting(progress, label, snap, line)
             _show_queue(progress, run, snap, seen)
@@ -234,7 +234,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
 
-def _show(progress, reader: EventReader, label: str) -> None:
+def _show(progress, reader: EventReader, events: list[dict], label: str) -> None:
     """The bar at the newest step event; loss and lr stay shown until a newer event carries them."""
     step = reader.last["step"]
     if progress.bar_format is not None:  # the first step: from the log line to the bar
@@ -244,7 +244,8 @@ def _show(progress, reader: EventReader, label: str) -> None:
     if total and progress.total != total:
         progress.total = total
     progress.n = step.get("step", progress.n)
-    fields = {k: step[k] for k in ("loss", "lr") if isinstance(step.get(k), (int, float))}
+    fields = {k: e[k] for e in events if e.get("event") == "step"  # the newest of each in this read
+              for k in ("loss", "lr") if isinstance(e.get(k), (int, float))}
     if fields:  # a bar position read from the script's output carries no loss: keep the last one
         progress.set_postfix({k: f"{v:.4g}" for k, v in fields.items()}, refresh=False)
     progress.refresh()

@@ -5,9 +5,10 @@ a regular expression with named groups, searched in every line (split at `\\n` a
 tqdm redraws its bar with `\\r`):
 
     tqdm   a bar's `N/M [` gives step and total_steps, its postfix `loss=2.31, lr=3e-4` the metrics
-    dict   a line like `{'loss': 2.31, 'learning_rate': 3e-4, 'epoch': 0.5}` (Hugging Face's Trainer)
-           gives the metrics; the step is its `step` or `global_step` key, else the position of the
-           tqdm bar in the same output (the Trainer draws one), else the count of such lines so far
+    dict   tqdm's bars, and a line like `{'loss': 2.31, 'learning_rate': 3e-4, 'epoch': 0.5}` (as
+           Hugging Face's Trainer prints them) gives the metrics; its step is the line's `step` or
+           `global_step` key, else the bar's position (the Trainer draws one), else the count of
+           such lines so far
 
 When several tqdm bars share the output (an evaluation bar inside the training bar), the one with
 the largest total is followed: a script whose main bar is not the longest needs its own regex.
@@ -137,8 +138,7 @@ class Parser:
         if values is None and match:  # `'grad_norm': tensor(1.2)` is no literal: keep the plain numbers
             values = {k: float(v) for k, v in PAIR.findall(match.group(0))} or None
         if values is None:
-            self._bar(line)  # remember where the bar is: the step of the next dict line
-            return None
+            return self._bar(line)  # the bar moves between logs (every 500 steps by default in the Trainer)
         self.lines += 1
         fields = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                   and k not in RESERVED}

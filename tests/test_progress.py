@@ -11,13 +11,18 @@ a bad `progress:` is refused in one line before anything launches.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import config_text
-from helpers import stop_leftover_runs
+from helpers import alive, group, poll, stop_leftover_runs
+from tether import config
+from tether.errors import ConfigError
+from tether.remote import launcher
 
 TQDM_SCRIPT = """\
 import sys, time
@@ -197,3 +202,71 @@ def test_progress_events_over_ssh(project, sshd, tmp_path):
         assert status(project)["step"] == 60
     finally:
         stop_leftover_runs(far)
+
+
+@pytest.mark.parametrize("progress, total_steps, words", [
+    (None, 100, "trainer.total_steps needs trainer.progress"),
+    (r"'it (?P<step>\d+)'", "n", "trainer.total_steps: 'n' is no group of trainer.progress: add (?P<n>\\d+)"),
+    ("tqdm", "n", "trainer.total_steps: the tqdm preset reads the total from the bar"),
+    (r"'it (?P<step>\d+)'", 0, "trainer.total_steps must be a positive number"),
+])
+def test_total_steps_must_fit_progress(project, progress, total_steps, words):
+    use_script(project, "plain.py", REGEX_SCRIPT, progress=progress, total_steps=total_steps)
+    with pytest.raises(ConfigError) as err:
+        config.load(str(project.root / "tether.yaml"))
+    assert len(err.value.problems) == 1 and words in err.value.problems[0], err.value.problems
+
+
+@pytest.mark.parametrize("progress, total_steps", [("tqdm", None), ("dict", 500), ("dict", None),
+                                                   (r"'it (?P<step>\d+)/(?P<n>\d+)'", "n")])
+def test_presets_and_a_total_group_are_accepted(project, progress, total_steps):
+    use_script(project, "plain.py", REGEX_SCRIPT, progress=progress, total_steps=total_steps)
+    trainer = config.load(str(project.root / "tether.yaml")).trainer
+    assert trainer.launch_spec()["progress"] == progress.strip("'")
+    assert trainer.launch_spec()["total_steps"] == total_steps
+
+
+# ---------------------------------------------------------------- a dead launcher never hurts the trainer
+
+
+SLOW_SCRIPT = """\
+import sys, time
+
+for step in range(1, 10000):
+    print(f"step {step} loss 1.0", flush=True)
+    if step > 3 and len(sys.argv) > 1 and open(sys.argv[1]).read() == "go":
+        print("finished after the launcher died", flush=True)
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_launcher_killed_the_trainer_goes_on_writing_its_log(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    (run_dir / "code").mkdir(parents=True)
+    (run_dir / "code" / "train.py").write_text(SLOW_SCRIPT)
+    flag = tmp_path / "flag"
+    flag.write_text("")
+    spec = {"run_id": "r1", "argv": ["{python}", "train.py", str(flag)], "grace_seconds": 1,
+            "progress": r"step (?P<step>\d+) loss (?P<loss>[\d.]+)", "total_steps": None}
+    (run_dir / "run.json").write_text(json.dumps(spec))
+    started = launcher.start(str(run_dir))
+    assert started["outcome"] == "started", started
+    pid, pgid = started["state"]["pid"], started["state"]["pgid"]
+    try:
+        poll(lambda: any(e.get("source") == "progress" for e in _events(run_dir)), 30, "a progress event", 0.05)
+        os.kill(pid, signal.SIGKILL)  # the launcher, and with it the thread that reads the log
+        poll(lambda: not alive(pid), 10, "the launcher to die", 0.05)
+        flag.write_text("go")
+        poll(lambda: not group(pgid), 30, "the trainer to finish on its own", 0.05)
+        log = (run_dir / "train.log").read_text()
+        assert "finished after the launcher died" in log, log[-500:]  # no SIGPIPE, no lost output
+    finally:
+        for member in group(pgid):
+            os.kill(member, signal.SIGKILL)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]

@@ -159,6 +159,34 @@ def test_custom_regex_with_a_total_from_the_config(project):
     assert status(project)["step"] == 50
 
 
+SWEPT_SCRIPT = """\
+import sys
+
+lr = float(sys.argv[sys.argv.index("--lr") + 1])
+for step in range(1, 11):
+    print(f"step {step} loss {lr / step:.3f} acc {1 - lr / 10:.2f}", flush=True)
+"""
+
+
+def test_a_sweep_of_an_unchanged_script_reports_what_progress_read(project):
+    (project.root / "demo" / "swept.py").write_text(SWEPT_SCRIPT)
+    text = config_text(command="{python} demo/swept.py --lr {lr}", code="demo/swept.py", artifacts="")
+    command = '  command: "{python} demo/swept.py --lr {lr}"\n'
+    progress = "  progress: 'step (?P<step>\\d+) loss (?P<loss>[\\d.]+) acc (?P<accuracy>[\\d.]+)'\n"
+    project.write_config(text.replace(command, command + progress) + "sweep:\n  lr: [1.0, 2.0]\n")
+    train(project)
+    done = project.doit("report")
+    assert done.returncode == 0, done.stdout + done.stderr
+    folder = project.root / ".tether" / "reports" / "demo-local"
+    results = json.loads((folder / "results.json").read_text())
+    assert results["excluded"] == [], results["excluded"]
+    found = {p["params"]["lr"]: p for p in results["points"]}
+    assert found[1.0]["metrics"] == {"loss": 0.1, "accuracy": 0.9}, found
+    assert found[2.0]["metrics"] == {"loss": 0.2, "accuracy": 0.8}, found
+    assert {p["metrics_file"] for p in found.values()} == {"events.jsonl"}
+    assert "`events.jsonl` (the newest value `progress:` read from the output)" in (folder / "results.md").read_text()
+
+
 # ---------------------------------------------------------------- without progress:, and bad settings
 
 

@@ -201,7 +201,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             try:
                 snap = s.snapshot(run, fresh=True)
                 events = reader.read()
-                line = log.read() if "step" not in reader.last else None  # no steps: the log says what goes on
+                line = log.read() if "step" not in reader.last else None  # no steps: what the log says
             except BackendError as err:  # the far side is unreachable, not the run dead: wait and retry
                 lost_since = lost_since or time.monotonic()
                 interval = min(RECONNECT_MAX_S, max(1.0, interval * 2))

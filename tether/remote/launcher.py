@@ -274,6 +274,7 @@ def _launcher_failed(run_dir: str, err: Exception, supervisor: _Supervisor) -> i
     error = "%s: %s" % (type(err).__name__, err)
     if supervisor.pgid:
         _end_group(supervisor.pgid, supervisor.grace_s)
+    progress.finish_all()  # no progress event may land after the seal
     try:
         event(run_dir, "launcher_error", error=error)
         update_state(run_dir, status="failed", final=True, launcher_error=error, ended_at=now())

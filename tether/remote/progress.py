@@ -192,6 +192,7 @@ class Tail:
         self.thread = threading.Thread(target=self._follow, daemon=True)
 
     def start(self) -> "Tail":
+        LIVE.append(self)
         self.thread.start()
         return self
 
@@ -201,6 +202,8 @@ class Tail:
         self.thread.join(timeout_s)
         with self.lock:
             self.closed = True
+        if self in LIVE:
+            LIVE.remove(self)
 
     def _follow(self) -> None:
         try:
@@ -252,6 +255,15 @@ def append_event(events_path: str, record: Fields) -> None:
         os.write(fd, line)  # one write of one line: never mixed with the launcher's own events
     finally:
         os.close(fd)
+
+
+LIVE: List[Tail] = []  # started and not finished: the launcher's own failure ends them before it seals
+
+
+def finish_all() -> None:
+    """Finish every live Tail (the launcher failed mid-attempt and is about to seal)."""
+    for tail in list(LIVE):
+        tail.finish(timeout_s=1.0)
 
 
 def follow(log_path: str, events_path: str, spec: Dict[str, Any], offset: int) -> Optional[Tail]:

@@ -120,7 +120,7 @@ def test_tqdm_bar_gives_steps_loss_status_watch_and_report(project):
     exits = [e for e in project.events() if e["event"] == "exit"]
     assert exits and last["t"] <= exits[-1]["t"]  # written before the exit (and the seal)
     assert "60/60" in done.stderr and "loss=0.05" in done.stderr, done.stderr  # watch's bar
-    assert "0step" not in done.stderr, done.stderr
+    assert ": 0step" not in done.stderr, done.stderr  # the frozen `train: 0step [01:16, ?step/s]`
     info = status(project)
     assert (info["step"], info["loss"]) == (60, 0.05), info
     text = project.doit("status").stdout
@@ -193,7 +193,7 @@ def test_a_sweep_of_an_unchanged_script_reports_what_progress_read(project):
 def test_without_progress_watch_shows_the_latest_log_line_never_0step(project):
     use_script(project, "quiet.py", QUIET_SCRIPT)
     done = train(project)
-    assert "0step" not in done.stderr and "?step/s" not in done.stderr, done.stderr
+    assert ": 0step" not in done.stderr and "?step/s" not in done.stderr, done.stderr
     assert "loading shard" in done.stderr, done.stderr  # shown while it ran
     assert "all shards loaded, finished" in done.stderr, done.stderr  # and the last line at the end
     assert not progress_events(project.events())

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from helpers import alive, group, poll, stop_leftover_runs
 from tether import config
 from tether.errors import ConfigError
 from tether.remote import launcher
+from tether.remote.progress import POLL_S, Parser, Tail
 
 TQDM_SCRIPT = """\
 import sys, time
@@ -298,3 +300,37 @@ def _events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     lines = path.read_text().split("\n")[:-1] if path.exists() else []
     return [json.loads(line) for line in lines if line.strip()]
+
+
+# ---------------------------------------------------------------- the tail itself: rate limit and the last word
+
+
+def _bar_lines(first: int, last: int) -> bytes:
+    return b"".join(b"\r%d/1000 [00:01<00:10, 90.0it/s]" % n for n in range(first, last + 1))
+
+
+def test_bar_events_are_rate_limited_and_the_newest_is_written_at_the_end(tmp_path):
+    log, events = tmp_path / "train.log", tmp_path / "events.jsonl"
+    log.write_bytes(b"earlier attempt 999/1000 [\n")  # before the offset: another attempt's output
+    tail = Tail(str(log), str(events), Parser("tqdm"), log.stat().st_size).start()
+    with open(log, "ab", buffering=0) as out:
+        began = time.monotonic()
+        step = 0
+        while time.monotonic() - began < 2.5:  # a bar redrawn every 5 ms: 500 lines in 2.5 s
+            step += 1
+            out.write(_bar_lines(step, step))
+            time.sleep(0.005)
+        written = len(_events(tmp_path))
+        poll(lambda: len(_events(tmp_path)) > written, 5, "the next event", 0.005)
+        out.write(_bar_lines(step + 1, step + 20))  # the end comes within the rate limit: written all the same
+        tail.finish()
+    found = [e for e in _events(tmp_path) if e["event"] == "step"]
+    assert len(found) <= 2.5 * 2 + 3, f"{len(found)} events in 2.5 s: more than two a second"
+    assert found[-1]["step"] == step + 20 and found[-1]["total_steps"] == 1000, found[-1]
+    assert all(e["step"] != 999 for e in found), found
+    out_of_order = [(a["step"], b["step"]) for a, b in zip(found, found[1:]) if b["step"] < a["step"]]
+    assert not out_of_order, out_of_order
+    with open(log, "ab") as out:  # finished: nothing more is written (the seal may read events.jsonl)
+        out.write(b"\r2000/2000 [")
+    time.sleep(POLL_S * 2)
+    assert len([e for e in _events(tmp_path) if e["event"] == "step"]) == len(found)

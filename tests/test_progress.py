@@ -19,12 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import config_text
-from helpers import alive, group, poll, stop_leftover_runs
-from tether import config
-from tether.errors import ConfigError
-from tether.remote import launcher
-from tether.remote.progress import POLL_S, Parser, Tail
+pytest_plugins = ["slurm_fixtures"]  # the session's one SLURM cluster, started only if a test asks for it
+
+from conftest import config_text  # noqa: E402
+from helpers import alive, group, poll, stop_leftover_runs  # noqa: E402
+from slurm_fixtures import slurm_yaml  # noqa: E402
+from tether import config  # noqa: E402
+from tether.errors import ConfigError  # noqa: E402
+from tether.remote import launcher  # noqa: E402
+from tether.remote.progress import POLL_S, Parser, Tail  # noqa: E402
 
 TQDM_SCRIPT = """\
 import sys, time
@@ -254,6 +257,21 @@ def test_presets_and_a_total_group_are_accepted(project, progress, total_steps):
     trainer = config.load(str(project.root / "tether.yaml")).trainer
     assert trainer.launch_spec()["progress"] == progress.strip("'")
     assert trainer.launch_spec()["total_steps"] == total_steps
+
+
+def test_progress_events_on_slurm(project, cluster, remote):
+    (project.root / "demo" / "plain.py").write_text(REGEX_SCRIPT)
+    text = slurm_yaml(cluster, remote, "{python} demo/plain.py", code="demo/plain.py", artifacts="")
+    command = '  command: "{python} demo/plain.py"\n'
+    assert command in text
+    project.write_config(text.replace(command, command + "  progress: 'step (?P<step>\\d+) loss (?P<loss>[\\d.]+)'\n"
+                                                          "  total_steps: 50\n"))
+    train(project)
+    run_id = project.run_ids()[-1]
+    lines = (remote / "runs" / run_id / "events.jsonl").read_text().splitlines()
+    steps = progress_events([json.loads(line) for line in lines])
+    assert steps and (steps[-1]["step"], steps[-1]["loss"], steps[-1]["total_steps"]) == (50, 0.1, 50), steps
+    assert status(project)["step"] == 50
 
 
 # ---------------------------------------------------------------- a dead launcher never hurts the trainer

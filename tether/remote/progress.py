@@ -186,6 +186,7 @@ class Tail:
         self.buffer = b""
         self.pending: Dict[str, Fields] = {}  # "bar" and "metrics": the newest not yet written of each
         self.written: Dict[str, float] = {}
+        self.last_step = 0
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.closed = False  # once set, nothing more is written: the seal may read events.jsonl
@@ -238,7 +239,9 @@ class Tail:
                and (force or now - self.written.get(k, 0.0) >= RATE_S[k])]
         for kind in sorted(due, key=lambda k: self.pending[k]["step"]):
             fields = self.pending.pop(kind)
-            self.written[kind] = now
+            if kind == "bar" and fields["step"] < self.last_step:
+                continue  # a log line at a later step went out first: the bar never moves back
+            self.written[kind], self.last_step = now, max(self.last_step, fields["step"])
             self._append(dict(fields, event="step", source="progress"))
 
     def _append(self, record: Fields) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import sys
 import time
 from typing import Any, Optional
@@ -12,6 +13,9 @@ from tether import manifest
 from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
 from tether.pipelines.session import Session, flag
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves (tqdm's nested bars)
+
 
 class EventReader:
     """Reads events.jsonl from where it left off; only whole lines count."""
@@ -47,6 +51,38 @@ class EventReader:
         return events
 
 
+class LastLine:
+    """The newest non-empty line of a far-side log; each read costs one open and at most TAIL_BYTES."""
+
+    TAIL_BYTES = 4096  # a screen line is far shorter; a log that grew by megabytes is not read whole
+
+    def __init__(self, backend: Any, run: RunPaths, name: str = "train.log") -> None:
+        self.backend, self.path, self.offset, self.line = backend, run.remote_file(name), 0, ""
+
+    def read(self) -> str:
+        try:
+            with self.backend.filesystem().open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                start = max(0, size - self.TAIL_BYTES, self.offset if self.offset <= size else 0)
+                f.seek(start)
+                data = f.read(size - start)
+        except FileNotFoundError:
+            return self.line
+        except Exception as err:
+            if self.backend.is_transport_error(err):
+                raise BackendError(f"lost the far side while reading {self.path}: {err}") from err
+            raise
+        self.offset = start + len(data)
+        lines = [_printable(p) for p in re.split(r"[\r\n]", data.decode(errors="replace"))]
+        self.line = next((line for line in reversed(lines) if line), self.line)
+        return self.line
+
+
+def _printable(text: str) -> str:
+    """A log line without terminal escapes or control characters, its spaces collapsed."""
+    return " ".join("".join(c for c in ANSI.sub("", text) if c.isprintable()).split())
+
+
 def tail_text(fs: Any, run: RunPaths, name: str = "train.log", lines: int = 20) -> str:
     """The last `lines` lines of a far-side file (empty when it does not exist)."""
     try:
@@ -62,15 +98,17 @@ def tail_text(fs: Any, run: RunPaths, name: str = "train.log", lines: int = 20) 
 def summary(s: Session, run: RunPaths, snap: dict) -> dict:
     """What `status` reports: state, step, last loss, heartbeat age, where, how long."""
     reader = EventReader(s.backend, run)
-    reader.read()
+    events = reader.read()
     state = snap.get("state", {})
     step = reader.last.get("step", {})
+    losses = [e["loss"] for e in events if e.get("event") == "step" and isinstance(e.get("loss"), (int, float))]
     epoch = {k: v for k, v in reader.last.get("epoch", {}).items()
              if k not in ("event", "t", "step", "epoch") and isinstance(v, (int, float))}
     started, ended = state.get("started_at"), state.get("ended_at")
     elapsed = ((ended or snap.get("now") or time.time()) - started) if started else None
     return {"run_id": run.run_id, "status": snap["status"], "backend": s.job.backend,
-            "host": state.get("host"), "step": step.get("step"), "loss": step.get("loss"),
+            "host": state.get("host"), "step": step.get("step"),
+            "loss": losses[-1] if losses else None,  # a bar position read from the output carries none
             "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
             "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,

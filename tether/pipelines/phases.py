@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -18,7 +19,7 @@ from tether.config import asdict
 from tether.errors import BackendError, ManifestError, RemoteCommandError, RunError
 from tether.paths import RunPaths
 from tether.pipelines import transfer
-from tether.pipelines.observe import EventReader, queue_text, tail_text
+from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
 from tether.pipelines.session import Session
 from tether.remote.fileio import atomic_write_json, read_json, tar_bytes
 from tether.remote.rundir import restart_allowed
@@ -193,14 +194,16 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     from tqdm import tqdm
 
     run = s.run()
-    reader = EventReader(s.backend, run)
+    reader, log = EventReader(s.backend, run), LastLine(s.backend, run)
     poll_max = s.backend.poll_interval_s
     interval, lost_since, seen = poll_min, None, {}
-    with tqdm(desc=s.point.label if s.point else "train", unit="step", file=sys.stderr, dynamic_ncols=True) as progress:
+    label = s.point.label if s.point else "train"
+    with tqdm(desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, bar_format="{desc}") as progress:
         while True:
             try:
                 snap = s.snapshot(run, fresh=True)
                 events = reader.read()
+                line = log.read() if "step" not in reader.last else None  # no steps: what the log says
             except BackendError as err:  # the far side is unreachable, not the run dead: wait and retry
                 lost_since = lost_since or time.monotonic()
                 interval = min(RECONNECT_MAX_S, max(1.0, interval * 2))
@@ -212,7 +215,10 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             if lost_since is not None:
                 progress.write(f"{run.run_id}: reconnected after {time.monotonic() - lost_since:.0f}s", file=sys.stderr)
                 lost_since = None
-            _show(progress, reader, events)
+            if line is None:
+                _show(progress, reader, events, label)
+            else:
+                _show_waiting(progress, label, snap, line)
             _show_queue(progress, run, snap, seen)
             if snap.get("final") and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
@@ -230,17 +236,31 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
 
-def _show(progress, reader: EventReader, events: list[dict]) -> None:
-    step = reader.last.get("step")
-    if step is None:
-        return
+def _show(progress, reader: EventReader, events: list[dict], label: str) -> None:
+    """The bar at the newest step event; loss and lr stay shown until a newer event carries them."""
+    step = reader.last["step"]
+    if progress.bar_format is not None:  # the first step: from the log line to the bar
+        progress.bar_format = None
+        progress.set_description_str(label, refresh=False)
     total = step.get("total_steps")
     if total and progress.total != total:
         progress.total = total
     progress.n = step.get("step", progress.n)
-    fields = {k: step[k] for k in ("loss", "lr") if isinstance(step.get(k), (int, float))}
-    progress.set_postfix({k: f"{v:.4g}" for k, v in fields.items()}, refresh=False)
+    fields = {k: e[k] for e in events if e.get("event") == "step"  # the newest of each in this read
+              for k in ("loss", "lr") if isinstance(e.get(k), (int, float))}
+    if fields:  # a bar position read from the script's output carries no loss: keep the last one
+        progress.set_postfix({k: f"{v:.4g}" for k, v in fields.items()}, refresh=False)
     progress.refresh()
+
+
+def _show_waiting(progress, label: str, snap: dict, line: str) -> None:
+    """No step events (yet): the run's elapsed time and its latest log line, cut to the terminal."""
+    state = snap["state"]
+    started, until = state.get("started_at"), state.get("ended_at") or snap.get("now")
+    elapsed = progress.format_interval(max(0.0, until - started)) if started and until else "--:--"
+    text = f"{label}: {snap['status']} {elapsed}" + (f" | {line}" if line else "")
+    width = shutil.get_terminal_size((80, 24)).columns - 1
+    progress.set_description_str(text if len(text) <= width else text[:width - 3] + "...", refresh=True)
 
 
 def _show_queue(progress, run: RunPaths, snap: dict, seen: dict) -> None:

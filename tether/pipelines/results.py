@@ -21,6 +21,8 @@ from tether.remote.fileio import atomic_write_bytes, atomic_write_json, read_jso
 from tether.sweep import SEED_KEY
 
 METRICS_FILE = "artifacts/metrics.json"
+EVENTS_FILE = "events.jsonl"
+PROGRESS_FIELDS = ("event", "t", "source", "step", "total_steps")  # a step event's own keys, not metrics
 MAX_PANELS = 4
 
 
@@ -72,19 +74,41 @@ def collect(s: Session) -> dict:
 
 
 def _verified_metrics(run: RunPaths) -> dict:
-    """The run's numeric final metrics, after checking the file's bytes against its manifest entry."""
+    """The run's numeric final metrics, after checking the file's bytes against its manifest entry.
+
+    From artifacts/metrics.json; a run without one whose `progress:` read metrics from its output
+    gives the newest value of each of those instead (from its verified events.jsonl).
+    """
     listed, manifest_sha = manifest.load(run)
-    entry = next((e for e in listed["files"] if e["path"] == METRICS_FILE), None)
-    if entry is None:
+    entries = {e["path"]: e for e in listed["files"]}
+    source = METRICS_FILE if METRICS_FILE in entries else EVENTS_FILE
+    if source not in entries:
         raise RunError(f"run {run.run_id} has no {METRICS_FILE} in its manifest: the trainer must write it "
-                       f"and artifacts: must list metrics.json")
-    sha, _ = sha256_file(run.pulled(METRICS_FILE))
-    if sha != entry["sha256"]:
-        raise RunError(f"run {run.run_id}: {METRICS_FILE} no longer matches its manifest: `doit pull verify "
+                       f"and artifacts: must list metrics.json (or set trainer.progress to read its output)")
+    sha, _ = sha256_file(run.pulled(source))
+    if sha != entries[source]["sha256"]:
+        raise RunError(f"run {run.run_id}: {source} no longer matches its manifest: `doit pull verify "
                        f"run={run.run_id}` fetches it again")
-    metrics = read_json(run.pulled(METRICS_FILE)) or {}
+    metrics = (read_json(run.pulled(METRICS_FILE)) or {}) if source == METRICS_FILE else _progress_metrics(run)
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {"manifest_sha256": manifest_sha, "metrics_sha256": sha, "metrics": numbers}
+    if not numbers and source == EVENTS_FILE:
+        raise RunError(f"run {run.run_id} has no {METRICS_FILE} in its manifest and its output gave no metrics: "
+                       f"write {METRICS_FILE} (listed in artifacts:), or set trainer.progress to read them")
+    return {"manifest_sha256": manifest_sha, "metrics_sha256": sha, "metrics": numbers, "metrics_file": source}
+
+
+def _progress_metrics(run: RunPaths) -> dict:
+    """The newest value of each metric that `progress:` read from the run's output (step events)."""
+    found: dict = {}
+    with open(run.pulled(EVENTS_FILE), encoding="utf-8") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and event.get("event") == "step" and event.get("source") == "progress":
+                found.update({k: v for k, v in event.items() if k not in PROGRESS_FIELDS})
+    return found
 
 
 def groups(results: dict) -> list[dict]:
@@ -123,7 +147,7 @@ def markdown(results: dict) -> str:
     keys = [k for k in results["sweep"] if k != results["seed_key"]]
     lines = [f"# Sweep {results['name']} (backend {results['backend']})", "",
              f"Mean ± sample standard deviation (n − 1) over {results['seed_key']}s of each metric in "
-             f"`{results['metrics_file']}`; n is the number of verified runs in the row.", "",
+             f"{_sources(results)}; n is the number of verified runs in the row.", "",
              "| " + " | ".join(keys + ["n"] + names) + " |", "|" + "---|" * (len(keys) + 1 + len(names))]
     for group in rows:
         values = [str(group["setting"][k]) for k in keys] + [str(len(group["runs"]))]
@@ -137,6 +161,13 @@ def markdown(results: dict) -> str:
                   for e in results["excluded"]]
         lines.append("")
     return "\n".join(lines)
+
+
+def _sources(results: dict) -> str:
+    """Where the points' metrics were read: metrics.json, or what `progress:` read from the output."""
+    files = sorted({p.get("metrics_file", results["metrics_file"]) for p in results["points"]})
+    return " and ".join(f"`{f}`" + (" (the newest value `progress:` read from the output)" if f == EVENTS_FILE else "")
+                        for f in files)
 
 
 def plot(results: dict, path: str) -> None:

@@ -44,7 +44,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
-from tether.remote import machine, objects, scheduler  # noqa: E402
+from tether.remote import machine, objects, progress, scheduler  # noqa: E402
 from tether.remote import mapped as own_checkpoints  # noqa: E402
 from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
 from tether.remote.rundir import (  # noqa: E402
@@ -206,6 +206,7 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     argv = _trainer_command(spec, resume)
     supervisor.grace_s = float(spec.get("grace_seconds", 30))
     with open(run_file(run_dir, "train.log"), "ab") as log:
+        offset = os.fstat(log.fileno()).st_size  # where this attempt's output starts
         try:
             child = subprocess.Popen(
                 argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
@@ -215,6 +216,9 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
         except OSError as err:  # no such program, or not executable: the command's fault, not ours
             return _not_started(run_dir, log, err, attempt)
     supervisor.attach(child.pid)
+    # The trainer writes train.log itself and a thread reads it behind: no pipe between them, so
+    # a launcher killed outright never takes the trainer's output (or the trainer) with it.
+    tail = progress.follow(run_file(run_dir, "train.log"), run_file(run_dir, "events.jsonl"), spec, offset)
     update_state(
         run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
         restarts=attempt - 1, started_at=now(), resumed_from=resume, host=os.uname()[1],
@@ -226,6 +230,8 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     returncode = child.wait()
     _killpg(child.pid, signal.SIGKILL)  # leftover children (dataloader workers) go with it
     done.set()
+    if tail:
+        tail.finish()  # its last events land before "exit" and before the seal reads events.jsonl
     _keep_mapped_checkpoint(run_dir, spec)
     status = _outcome(run_dir, returncode, supervisor.signalled)
     final = decide_final(status, spec, attempt)
@@ -258,6 +264,7 @@ def _launcher_failed(run_dir: str, err: Exception, supervisor: _Supervisor) -> i
     error = "%s: %s" % (type(err).__name__, err)
     if supervisor.pgid:
         _end_group(supervisor.pgid, supervisor.grace_s)
+    progress.finish_all()  # no progress event may land after the seal
     try:
         event(run_dir, "launcher_error", error=error)
         update_state(run_dir, status="failed", final=True, launcher_error=error, ended_at=now())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from tether.errors import ConfigError
+from tether.remote import progress
 
 RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
 MAGIC = re.compile(r"[*?[]")  # what makes a path part a glob (as the far side reads it)
@@ -23,6 +24,8 @@ class Config:
     where it runs: a file (out/ckpt.pt), a folder, or a glob in its last part
     (outputs/checkpoint-*: the newest complete match). It is kept with the run and restored
     before a resume.
+    `progress` (a preset, `tqdm` or `dict`, or a regex with a (?P<step>...) group) reads step
+    events from the script's own output; `total_steps` is a number or the name of a group.
     """
 
     command: Union[str, tuple[str, ...]]
@@ -30,6 +33,8 @@ class Config:
     resume_args: tuple[str, ...] = ()
     checkpoint: Optional[str] = None
     env: dict = field(default_factory=dict)
+    progress: Optional[str] = None
+    total_steps: Union[int, str, None] = None
 
     def requires(self) -> tuple[str, ...]:
         """Python modules the far side must have (the command's own needs are its business)."""
@@ -48,8 +53,11 @@ class Config:
 
     def launch_spec(self) -> dict:
         """What the launcher needs to start this trainer (stored in run.json)."""
-        return {"argv": self.argv(), "resume_args": list(self.resume_args),
+        spec = {"argv": self.argv(), "resume_args": list(self.resume_args),
                 "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
+        if self.progress:  # only when set: the run.json (and id) of a run without it stays as it was
+            spec.update(progress=self.progress, total_steps=self.total_steps)
+        return spec
 
     def sweep_problems(self, keys: list[str]) -> list[str]:
         """A swept key reaches the program as `{key}` in the command, e.g. --lr {lr}."""
@@ -82,7 +90,7 @@ class Config:
             found += [p for p in [checkpoint_problem(self.checkpoint)] if p]
         if self.resume_args and not self.checkpoint and not any("{checkpoint}" in a for a in self.resume_args):
             found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
-        return found
+        return found + progress.problems(self.progress, self.total_steps)
 
 
 def checkpoint_problem(path: str) -> str:

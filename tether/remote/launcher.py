@@ -10,7 +10,7 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
     receive OBJECTS_DIR     store the small files of a tar on stdin (named by SHA-256, checked)
     send RUN_DIR            write the run files named on stdin (JSON) to stdout as a tar
-    materialize RUN_DIR     build code/ and data/ from tree.json (given on stdin the first time)
+    materialize RUN_DIR     build code/, data/ and work/ from tree.json (given on stdin the first time)
     prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
@@ -49,7 +49,7 @@ from tether.remote import machine, objects, scheduler  # noqa: E402
 from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
 from tether.remote.rundir import (  # noqa: E402
     decide_final, event, is_alive, is_final, now, restart_allowed, run_file, seal, try_lock, update_state,
-    write_private,
+    work_dir, work_path, write_private,
 )
 from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint  # noqa: E402
 
@@ -92,7 +92,7 @@ def _resume_point(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
     """The checkpoint to resume from: the script's own mapped file, else the runtime's latest."""
     mapped = spec.get("checkpoint_path")
     if mapped:
-        own = os.path.join(run_dir, "code", mapped)
+        own = work_path(run_dir, mapped)
         saved = run_file(run_dir, os.path.join("checkpoints", os.path.basename(mapped)))
         if not os.path.exists(own) and _inside_file(run_dir, saved):
             os.makedirs(os.path.dirname(own), exist_ok=True)
@@ -110,7 +110,7 @@ def _inside_file(run_dir: str, path: str) -> bool:
 def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     """Copy a script's own checkpoint file into checkpoints/ so the manifest and resumes see it."""
     mapped = spec.get("checkpoint_path")
-    own = os.path.join(run_dir, "code", mapped) if mapped else ""
+    own = work_path(run_dir, mapped) if mapped else ""
     if not own or not os.path.lexists(own):
         return
     if not _inside_file(run_dir, own):  # a folder (Hugging Face's outputs/) is not copied yet, nor a far link
@@ -218,9 +218,10 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     with open(run_file(run_dir, "train.log"), "ab") as log:
         try:
             child = subprocess.Popen(
-                argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
+                argv, cwd=work_dir(run_dir), env=_trainer_env(run_dir, spec, resume),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
+                preexec_fn=objects.no_write_override,  # a root trainer obeys the objects' 0444 too
             )
         except OSError as err:  # no such program, or not executable: the command's fault, not ours
             return _not_started(run_dir, log, err, attempt)

@@ -318,6 +318,8 @@ def _artifact(run_dir: str, pattern: str, workdir: str, budget: List[int],
     """
     files, refused = [], []
     for relpath in artifact_paths(pattern, workdir):
+        if budget[0] < 0 and refused:  # the walk's cap was reached in artifacts/: said once is enough
+            break
         found, why = _find(run_dir, relpath, budget)
         refused += why + [{"path": p, "reason": "tether's own private file: never sealed"}
                           for p in found if is_private(p)]

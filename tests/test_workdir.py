@@ -195,3 +195,37 @@ def test_own_script_on_slurm_reads_relative_data_and_brings_out_model_home(proje
     assert sha256(files / "work/out/model.pt") == sha256(far_run / "work/out/model.pt")
     assert (files / "work/out/model.pt").read_text() == sha256_text(TEXT)
     assert (project.local_run() / "PULL_VERIFIED.json").is_file()
+
+
+# ---------------------------------------------------------------- the far side alone: materialize and seal
+
+
+def test_work_dir_links_data_and_the_seal_lists_results_never_inputs(tmp_path):
+    """A file pushed as both code and data is linked (never copied per run); a glob skips inputs, a literal
+    naming one is refused by name, a literal that is nowhere is `missing`."""
+    from tether.remote import rundir
+
+    remote, run_dir = tmp_path / "remote", tmp_path / "remote" / "runs" / "w1"
+    blobs = {"train.py": b"print('hi')\n", DATA: TEXT.encode()}
+    for data in blobs.values():
+        obj = Path(objects.object_path(str(remote / "objects"), sha256_text(data.decode())))
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        obj.write_bytes(data)
+    tree = {"files": [{"root": "code", "path": "train.py", "sha256": sha256_text(blobs["train.py"].decode()),
+                       "mode": 0o644}]
+            + [{"root": root, "path": DATA, "sha256": sha256_text(TEXT), "mode": 0o644} for root in ("code", "data")]}
+    objects.materialize(str(run_dir), tree)
+    assert (run_dir / "work" / DATA).stat().st_ino == data_object(remote).stat().st_ino
+    assert (run_dir / "work" / "train.py").stat().st_mode & 0o777 == 0o444  # a frozen copy
+    (run_dir / "work" / "out").mkdir()
+    (run_dir / "work" / "out" / "model.pt").write_bytes(b"weights")
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "w1", "artifacts": ["**/*", DATA, "out/none.pt"]}))
+    (run_dir / "state.json").write_text(json.dumps({"status": "completed"}))
+    for name in ("events.jsonl", "train.log"):
+        (run_dir / name).write_text("")
+    manifest = rundir.seal(str(run_dir))
+    listed = {e["path"] for e in manifest["files"]}
+    assert "work/out/model.pt" in listed and not [p for p in listed if p.endswith(("train.py", "train.txt"))]
+    assert [e["path"] for e in manifest["refused"]] == [f"work/{DATA}"]
+    assert "pushed input" in manifest["refused"][0]["reason"]
+    assert manifest["missing"] == ["out/none.pt"]

@@ -433,10 +433,8 @@ def _gone(fs: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exce
 def _warn_roster(s: Session, listed: dict) -> None:
     for entry in listed.get("refused", []):  # what the far side's seal would not list (links, tether's files)
         print(f"warning: not pulled: {entry['path']}: {entry['reason']}")
-    failing = manifest.unproduced(listed, s.job.artifacts)  # these fail verify, which names them
-    warned = [p for p in listed.get("missing", []) if p not in failing]
-    if warned:
-        print(f"warning: declared artifacts that the run did not produce: {', '.join(warned)}")
+    if listed.get("missing"):  # a completed run's literal names among them also fail verify
+        print(f"warning: declared artifacts that the run did not produce: {', '.join(listed['missing'])}")
     if sorted(listed.get("artifacts", [])) != sorted(s.job.artifacts):
         print(f"warning: artifacts: in the config changed after this run was launched; its manifest "
               f"lists {listed.get('artifacts')}")

@@ -64,7 +64,7 @@ def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[
         tmp = final + ".tmp-%d" % os.getpid()
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for entry in sorted(tree["files"], key=lambda e: e["root"]):  # code first: it wins a path in both
+        for entry in sorted(tree["files"], key=lambda e: e["root"] != "data"):  # in both trees: linked as data
             target = os.path.join(tmp, entry["path"])
             if (root == WORK or entry["root"] == root) and not os.path.lexists(target):
                 _place(object_path(objects_dir, entry["sha256"]), target, entry.get("mode", 0o644),

@@ -161,6 +161,16 @@ def test_a_glob_that_matches_nothing_is_only_a_warning(project):
     assert (project.local_run() / "PULL_VERIFIED.json").is_file()
 
 
+def test_repro_compares_the_results_a_script_wrote_in_its_working_directory(project):
+    """Before: repro compared artifacts/ only, and called a run whose results are in out/ `reproduced (0 artifacts)`."""
+    own_script(project, "out/model.pt")
+    project.doit("run", "train", check=True, timeout=120)
+    (run_id,) = project.run_ids()
+    done = project.tether("repro", f".tether/runs/{run_id}", timeout=180)
+    assert done.returncode == 0, out(done)
+    assert "reproduced (1 artifacts bit-identical by sha256: work/out/model.pt)" in done.stdout, out(done)
+
+
 # ---------------------------------------------------------------- over ssh (a real sshd)
 
 

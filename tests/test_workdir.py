@@ -8,6 +8,7 @@ pipeline (`doit`), locally, over a real sshd, and on a real SLURM cluster (one t
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -73,8 +74,6 @@ def data_object(remote_dir: Path) -> Path:
 
 
 def sha256_text(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -221,7 +221,7 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
                 argv, cwd=work_dir(run_dir), env=_trainer_env(run_dir, spec, resume),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
-                preexec_fn=objects.no_write_override,  # a root trainer obeys the objects' 0444 too
+                preexec_fn=objects.no_write_override(),  # a root trainer obeys the objects' 0444 too
             )
         except OSError as err:  # no such program, or not executable: the command's fault, not ours
             return _not_started(run_dir, log, err, attempt)

@@ -13,15 +13,15 @@ import shutil
 import tarfile
 import time
 from stat import S_ISREG
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional
 
 from tether.remote import owner
 from tether.remote.fileio import CHUNK, atomic_write_json, read_json
+from tether.remote.rundir import WORK
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
 STALE_UPLOAD_S = 600  # a partial upload this old belongs to a push that was killed
-ROOTS = ("code", "data", "work")  # what materialize builds from tree.json, each once
-WORK = "work"  # where the trainer starts (rundir.work_dir)
+ROOTS = ("code", "data", WORK)  # what materialize builds from tree.json, each once (work/ last)
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>
 # objects/<first two>/<sha256>, or a partial upload of one: `receive` names it .tmp-<pid>, the
 # sftp upload .tmp-<12 hex> (tether/pipelines/transfer.py)
@@ -104,22 +104,24 @@ def _read_only(path: str) -> None:
             pass
 
 
-def no_write_override() -> None:
-    """In the trainer's process before exec: a root trainer loses CAP_DAC_OVERRIDE (Linux, best effort).
+def no_write_override() -> Optional[Callable[[], None]]:
+    """For the trainer's Popen(preexec_fn=): a root trainer loses CAP_DAC_OVERRIDE (Linux, best effort).
 
     Root ignores a file's write bits, so without this a trainer running as root (common on rented
     GPU boxes and in containers) could write straight into a read-only object through work/ or data/.
     Dropping the capability from the bounding set makes the exec'd program's root obey file modes;
-    where that is not allowed (no CAP_SETPCAP, not Linux) the trainer runs as before.
+    where that is not allowed (no CAP_SETPCAP) the call fails quietly and the trainer runs as before.
+    None when there is nothing to drop. libc is loaded here, before the fork: the child only calls it.
     """
     if os.geteuid() != 0:
-        return
+        return None
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0)
-    except Exception:  # no libc prctl here: nothing to drop
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):  # no ctypes or no libc prctl (not Linux)
+        return None
+    return lambda: prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0)
 
 
 def prune(remote_dir: str) -> Dict[str, Any]:

@@ -106,7 +106,7 @@ def test_own_script_reads_its_data_by_relative_path_and_its_results_come_home(pr
 
 
 def test_writing_into_a_data_file_fails_and_the_object_store_is_intact(project):
-    """Even as root (these tests run as root): the trainer obeys the object's 0444."""
+    """As root too (this suite runs as root here): the trainer obeys the object's 0444."""
     own_script(project, "out/model.pt", args="--append_to_data")
     done = project.doit("run", "train", timeout=120)
     assert done.returncode != 0, out(done)

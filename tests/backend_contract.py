@@ -141,7 +141,7 @@ class BackendContract:
             fs.pipe_file(run.remote_file("tree.json"), json.dumps(tree).encode())
             fs.pipe_file(run.remote_file("run.json"), json.dumps(spec).encode())
             built = backend.launcher("materialize", run.remote_abs)
-            assert sorted(built["built"]) == ["code", "data"], built
+            assert sorted(built["built"]) == ["code", "data", "work"], built
             made.append(run)
             return run
 

@@ -385,7 +385,8 @@ BAD_PATTERNS = [
     pytest.param("../state.json", "artifact '../state.json' names tether's own run file state.json", id="state"),
     pytest.param("../*", "artifact '../*' names tether's own run file", id="glob-over-the-run-dir"),
 ]
-FIX = "list paths relative to the run's artifacts/ folder (TETHER_ARTIFACTS_DIR) where the trainer writes them"
+FIX = ("list paths relative to where the trainer writes them: the run's artifacts/ folder (TETHER_ARTIFACTS_DIR) "
+       "or its working directory (the project root: out/model.pt)")
 
 
 @pytest.mark.parametrize("pattern, says", BAD_PATTERNS)
@@ -525,7 +526,7 @@ def test_a_checkpoint_folder_does_not_crash_the_launcher(project):
     assert (files / "artifacts" / "model.json").is_file()
     assert (files / "checkpoints" / "outputs" / "checkpoint-3" / "model.safetensors").read_bytes() == EMPTY_SAFETENSORS
     assert (project.local_run(run_id) / "PULL_VERIFIED.json").is_file()
-    assert (project.remote_run(run_id) / "code" / "outputs" / "checkpoint-3" / "model.safetensors").read_bytes() \
+    assert (project.remote_run(run_id) / "work" / "outputs" / "checkpoint-3" / "model.safetensors").read_bytes() \
         == EMPTY_SAFETENSORS  # the folder itself stays where the script wrote it
 
 

@@ -378,7 +378,7 @@ def test_materialize_builds_code_and_data_from_the_object_store(tmp_path):
     ]}
     (run_dir / "tree.json").write_text(json.dumps(tree))
 
-    assert sorted(objects.materialize(str(run_dir))["built"]) == ["code", "data"]
+    assert sorted(objects.materialize(str(run_dir))["built"]) == ["code", "data", "work"]
     assert (run_dir / "code" / "train.py").read_bytes() == contents["train"]
     assert (run_dir / "code" / "bin" / "tool.sh").read_bytes() == contents["tool"]
     assert (run_dir / "code" / "bin" / "tool.sh").stat().st_mode & 0o777 == 0o755
@@ -387,7 +387,11 @@ def test_materialize_builds_code_and_data_from_the_object_store(tmp_path):
     csv_object = Path(objects.object_path(str(remote / "objects"), hashes["csv"]))
     # code is a frozen copy; data may share the object's bytes
     assert (run_dir / "code" / "copy-of-points.csv").stat().st_ino != csv_object.stat().st_ino
-    assert sorted(p.name for p in run_dir.iterdir()) == ["code", "data", "tree.json"]  # no tmp left
+    # work/: both trees at their project paths; code copied without write bits, data linked read-only
+    assert (run_dir / "work" / "bin" / "tool.sh").stat().st_mode & 0o777 == 0o555
+    assert (run_dir / "work" / "sets" / "points.csv").stat().st_ino == csv_object.stat().st_ino
+    assert csv_object.stat().st_mode & 0o777 == 0o444
+    assert sorted(p.name for p in run_dir.iterdir()) == ["code", "data", "tree.json", "work"]  # no tmp left
     assert objects.materialize(str(run_dir))["built"] == []  # once
 
 

@@ -12,6 +12,7 @@ import zipfile
 from tether.errors import ManifestError
 from tether.paths import RunPaths
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
+from tether.remote.rundir import is_literal
 
 PART = ".part"  # a file being downloaded (tether.pipelines.transfer)
 
@@ -87,14 +88,14 @@ def _torch():
     return torch
 
 
-def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
+def verify(run: RunPaths, left: dict[str, str] | None = None, declared: tuple[str, ...] | None = None) -> dict:
     """Check every pulled file against the manifest; write PULL_VERIFIED.json, or raise naming them.
 
     `left`: files the pull left on the far side on purpose (size limits); they are recorded as
-    remote-only instead of being required here.
+    remote-only instead of being required here. `declared`: the config's artifacts (see `unproduced`).
     """
     try:
-        verified = check(run, left)
+        verified = check(run, left, declared)
     except ManifestError:
         forget(run)
         raise
@@ -102,9 +103,10 @@ def verify(run: RunPaths, left: dict[str, str] | None = None) -> dict:
     return verified
 
 
-def check(run: RunPaths, left: dict[str, str] | None = None) -> dict:
+def check(run: RunPaths, left: dict[str, str] | None = None, declared: tuple[str, ...] | None = None) -> dict:
     """What `verify` records, without writing anything; ManifestError naming every bad file."""
     manifest, manifest_sha = load(run)
+    _check_produced(run, manifest, declared)
     left = left or {}
     listed = {entry["path"]: entry for entry in manifest["files"] if entry["path"] not in left}
     present = local_files(run)
@@ -127,6 +129,31 @@ def check(run: RunPaths, left: dict[str, str] | None = None) -> dict:
                 "missing_declared": manifest.get("missing", []), "remote_only": left,
                 "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0)}
     return verified
+
+
+def unproduced(manifest: dict, declared: tuple[str, ...] | None = None) -> list[str]:
+    """The literal artifact names a completed run was declared to produce and did not: the contract.
+
+    A glob that matched nothing is only a warning (pull prints it), and so is anything missing from a
+    run that did not complete: a failed or stopped run's logs must still come home and verify.
+    `declared` (the config's artifacts now) lets a user who drops a name from `artifacts:` accept
+    the run without it; None holds the run to the list its manifest was sealed with.
+    """
+    if manifest.get("status") != "completed":
+        return []
+    wanted = manifest.get("artifacts", []) if declared is None else declared
+    return [p for p in manifest.get("missing", []) if is_literal(p) and p in wanted]
+
+
+def _check_produced(run: RunPaths, manifest: dict, declared: tuple[str, ...] | None) -> None:
+    """ManifestError naming each literal artifact the completed run did not produce."""
+    absent = unproduced(manifest, declared)
+    if absent:
+        said = "; ".join(f"artifact {name} was declared but the run did not produce it" for name in absent)
+        raise ManifestError(
+            f"run {run.run_id} failed verification: {said} (looked in artifacts/ and in the trainer's working "
+            f"directory): have the script write it there and run again, or remove it from `artifacts:` in the "
+            f"config to accept this run without it")
 
 
 def _problem(run: RunPaths, path: str, entry: dict, present: bool, notes: dict) -> str:

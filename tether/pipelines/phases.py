@@ -455,7 +455,7 @@ def _gone(fs: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exce
 def _warn_roster(s: Session, listed: dict) -> None:
     for entry in listed.get("refused", []):  # what the far side's seal would not list (links, tether's files)
         print(f"warning: not pulled: {entry['path']}: {entry['reason']}")
-    if listed.get("missing"):
+    if listed.get("missing"):  # a completed run's literal names among them also fail verify
         print(f"warning: declared artifacts that the run did not produce: {', '.join(listed['missing'])}")
     if sorted(listed.get("artifacts", [])) != sorted(s.job.artifacts):
         print(f"warning: artifacts: in the config changed after this run was launched; its manifest "
@@ -473,7 +473,7 @@ def verify(s: Session) -> str:
     Always hashes every file again (the task has no up-to-date check): a timestamp proves nothing.
     """
     run = s.observed()
-    verified = manifest.verify(run, left_remote(run))
+    verified = manifest.verify(run, left_remote(run), s.job.artifacts)
     loaded, found = verified["torch_loaded"], verified["torch_files"]
     torch = (f"; {loaded} torch checkpoint(s) loaded with weights_only=True" if loaded == found else
              f"; torch is not installed here, so {found} torch checkpoint(s) were checked by hash only "
@@ -498,7 +498,7 @@ def down(s: Session, confirm: bool) -> str:
     if verified is None:
         raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
                        f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
-    verified = manifest.verify(run, left_remote(run))  # hash everything again: a timestamp proves nothing
+    verified = manifest.verify(run, left_remote(run), s.job.artifacts)  # hash all again: a timestamp proves nothing
     if verified["remote_only"] and not getattr(s.backend.config, "keep_remote", False):
         raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "
                        f"on the far side ({', '.join(sorted(verified['remote_only']))}): fetch them first "

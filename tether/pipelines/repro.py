@@ -27,6 +27,7 @@ from tether.sweep import Point
 from tether.trainers.registry import TRAINER_TYPES
 
 DEFAULT_TOLERANCE = 0.01  # relative, per metric, for trainers that are not bitwise deterministic
+RESULTS = ("artifacts/", "work/")  # manifest paths of declared results: TETHER_ARTIFACTS_DIR and the working dir
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,8 @@ def _deterministic(spec: dict) -> bool:
 def compare(recorded: Recorded, run: RunPaths, deterministic: bool, tolerance: float) -> tuple[bool, str]:
     """Bit-identical artifacts; for a trainer that is not deterministic, metrics within `tolerance`."""
     new_manifest, _ = manifest.load(run)
-    old = {e["path"]: e["sha256"] for e in recorded.manifest["files"] if e["path"].startswith("artifacts/")}
-    new = {e["path"]: e["sha256"] for e in new_manifest["files"] if e["path"].startswith("artifacts/")}
+    old = {e["path"]: e["sha256"] for e in recorded.manifest["files"] if e["path"].startswith(RESULTS)}
+    new = {e["path"]: e["sha256"] for e in new_manifest["files"] if e["path"].startswith(RESULTS)}
     differ = sorted(p for p in set(old) | set(new) if old.get(p) != new.get(p))
     head = f"{recorded.run.run_id} -> {run.run_id}:"
     if not differ:

@@ -10,7 +10,7 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
     receive OBJECTS_DIR     store the small files of a tar on stdin (named by SHA-256, checked)
     send RUN_DIR            write the run files named on stdin (JSON) to stdout as a tar
-    materialize RUN_DIR     build code/ and data/ from tree.json (given on stdin the first time)
+    materialize RUN_DIR     build code/, data/ and work/ from tree.json (given on stdin the first time)
     prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
@@ -51,6 +51,7 @@ from tether.remote.rundir import (  # noqa: E402
     decide_final, event, is_alive, is_final, now, restart_allowed, run_file, seal, try_lock, update_state,
     write_private,
 )
+from tether.remote.workdir import work_dir  # noqa: E402
 from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint  # noqa: E402
 
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
@@ -209,9 +210,10 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
         offset = os.fstat(log.fileno()).st_size  # where this attempt's output starts
         try:
             child = subprocess.Popen(
-                argv, cwd=run_file(run_dir, "code"), env=_trainer_env(run_dir, spec, resume),
+                argv, cwd=work_dir(run_dir), env=_trainer_env(run_dir, spec, resume),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, pass_fds=(lock,),  # the trainer keeps the run "alive"
+                preexec_fn=objects.no_write_override(),  # a root trainer obeys the objects' 0444 too
             )
         except OSError as err:  # no such program, or not executable: the command's fault, not ours
             return _not_started(run_dir, log, err, attempt)

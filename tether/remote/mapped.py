@@ -22,6 +22,7 @@ import stat
 from typing import Dict, List, Optional, Tuple
 
 from tether.remote.fileio import fsync_dir
+from tether.remote.workdir import work_path
 from tether.trainers.runtime import CHECKPOINT_RE
 
 MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
@@ -35,7 +36,7 @@ DROPPED = ".drop-"  # a kept folder being replaced: restored if a kill came betw
 
 def script_path(run_dir: str, rel: str) -> str:
     """Where the trainer's own relative path `rel` lies (the one place that knows its working directory)."""
-    return os.path.join(run_dir, "code", rel)
+    return work_path(run_dir, rel)
 
 
 def kept_dir(run_dir: str) -> str:

@@ -13,13 +13,16 @@ import shutil
 import tarfile
 import time
 from stat import S_ISREG
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional
 
 from tether.remote import owner
 from tether.remote.fileio import CHUNK, atomic_write_json, read_json
+from tether.remote.workdir import WORK
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
 STALE_UPLOAD_S = 600  # a partial upload this old belongs to a push that was killed
+ROOTS = ("code", "data", WORK)  # what materialize builds from tree.json, each once (work/ last)
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>
 # objects/<first two>/<sha256>, or a partial upload of one: `receive` names it .tmp-<pid>, the
 # sftp upload .tmp-<12 hex> (tether/pipelines/transfer.py)
 OBJECT_NAME = re.compile(r"^([0-9a-f]{2})/(\1[0-9a-f]{62})(\.tmp-[0-9a-f]+)?$")
@@ -43,9 +46,10 @@ def have(objects_dir: str, hashes: List[str]) -> List[str]:
 
 
 def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Build code/ (copies: a frozen snapshot) and data/ (hard links) from tree.json, once.
+    """Build code/ (copies: a frozen snapshot), data/ and work/ from tree.json, once each.
 
     `offered`: the file list to record as tree.json if the run has none yet (it never changes after).
+    work/ is where the trainer starts: every code and data file at its project-relative path.
     """
     os.makedirs(run_dir, exist_ok=True)
     if offered is not None and read_json(os.path.join(run_dir, "tree.json")) is None:
@@ -53,32 +57,71 @@ def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[
     tree = read_json(os.path.join(run_dir, "tree.json"))
     objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
     built = []
-    for root in ("code", "data"):
+    for root in ROOTS:
         final = os.path.join(run_dir, root)
         if os.path.isdir(final):
             continue
         tmp = final + ".tmp-%d" % os.getpid()
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for entry in tree["files"]:
-            if entry["root"] == root:
-                _place(object_path(objects_dir, entry["sha256"]), os.path.join(tmp, entry["path"]),
-                       entry.get("mode", 0o644), link=(root == "data"))
+        for entry in sorted(tree["files"], key=lambda e: e["root"] != "data"):  # in both trees: linked as data
+            target = os.path.join(tmp, entry["path"])
+            if (root == WORK or entry["root"] == root) and not os.path.lexists(target):
+                _place(object_path(objects_dir, entry["sha256"]), target, entry.get("mode", 0o644),
+                       entry["root"], frozen=(root == WORK))
         os.replace(tmp, final)
         built.append(root)
     return {"built": built}
 
 
-def _place(source: str, target: str, mode: int, link: bool) -> None:
+def _place(source: str, target: str, mode: int, root: str, frozen: bool) -> None:
+    """Put one file of the tree at `target`: code as a copy, data as a hard link to its read-only object.
+
+    Code is copied (small, and it keeps its own mode: a link to a 0444 object would lose `x`); in
+    work/ without write bits (`frozen`), so every attempt of the run starts the snapshot's bytes.
+    Data is never copied per run: a hard link to the object, which is made read-only first, so a
+    script writing into its data gets an error instead of corrupting a store other runs share.
+    """
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    if link:
+    if root == "data":
+        _read_only(source)
         try:
             os.link(source, target)
             return
         except OSError:
-            pass  # another filesystem, or links not allowed: copy instead
+            mode = 0o444  # another filesystem, or links not allowed: a copy, read-only like the object
     shutil.copyfile(source, target)
-    os.chmod(target, mode)
+    os.chmod(target, mode & ~0o222 if frozen else mode)
+
+
+def _read_only(path: str) -> None:
+    """Take the write bits off an object (a push may have stored it writable)."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o222:
+        try:
+            os.chmod(path, mode & ~0o222)
+        except PermissionError:  # another user's object: its mode is theirs to set
+            pass
+
+
+def no_write_override() -> Optional[Callable[[], None]]:
+    """For the trainer's Popen(preexec_fn=): a root trainer loses CAP_DAC_OVERRIDE (Linux, best effort).
+
+    Root ignores a file's write bits, so without this a trainer running as root (common on rented
+    GPU boxes and in containers) could write straight into a read-only object through work/ or data/.
+    Dropping the capability from the bounding set makes the exec'd program's root obey file modes;
+    where that is not allowed (no CAP_SETPCAP) the call fails quietly and the trainer runs as before.
+    None when there is nothing to drop. libc is loaded here, before the fork: the child only calls it.
+    """
+    if os.geteuid() != 0:
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):  # no ctypes or no libc prctl (not Linux)
+        return None
+    return lambda: prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0)
 
 
 def prune(remote_dir: str) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from tether.remote import mapped
+from tether.remote.workdir import WORK, work_dir
 from tether.remote.fileio import atomic_write_json, read_json, sha256_regular
 from tether.trainers.runtime import latest_checkpoint
 
@@ -127,28 +128,47 @@ def is_private(relpath: str) -> bool:
     return any(fnmatch.fnmatchcase(name, private) for private in PRIVATE_FILES)
 
 
-def artifact_path(pattern: str) -> Optional[str]:
-    """An artifact pattern (relative to artifacts/) as a run-dir path; None when it leaves the run dir."""
+def artifact_paths(pattern: str, workdir: str = WORK) -> List[str]:
+    """Where an artifact pattern is looked for, as run-dir paths: in artifacts/ (TETHER_ARTIFACTS_DIR),
+    then in the trainer's working directory `workdir`; [] when it leaves the run dir."""
     pattern = pattern.replace("\\", "/")
     if posixpath.isabs(pattern):
-        return None
-    relpath = posixpath.normpath(posixpath.join("artifacts", pattern))
-    return None if relpath == ".." or relpath.startswith("../") else relpath
+        return []
+    found: List[str] = []
+    for base in ("artifacts", workdir):
+        relpath = posixpath.normpath(posixpath.join(base, pattern))
+        if relpath == ".." or relpath.startswith("../"):
+            return []
+        found += [] if relpath in found else [relpath]
+    return found
 
 
 def artifact_problem(pattern: str) -> str:
     """Why an artifact pattern cannot be sealed, as a sentence naming the fix ('' when it can)."""
-    fix = "list paths relative to the run's artifacts/ folder (TETHER_ARTIFACTS_DIR) where the trainer writes them"
-    relpath = artifact_path(pattern)
+    fix = ("list paths relative to where the trainer writes them: the run's artifacts/ folder "
+           "(TETHER_ARTIFACTS_DIR) or its working directory (the project root: out/model.pt)")
+    relpaths = artifact_paths(pattern)
     if not pattern.strip():
         return "artifact %r is empty: %s" % (pattern, fix)
-    if relpath is None:
+    if not relpaths:
         where = "an absolute path" if posixpath.isabs(pattern.replace("\\", "/")) else "outside the run folder"
         return "artifact %r is %s: %s" % (pattern, where, fix)
-    owned = [name for name in TETHER_FILES if _matches(name.replace("*", "0").split("/"), relpath.split("/"))]
+    owned = [name for name in TETHER_FILES for relpath in relpaths
+             if _matches(name.replace("*", "0").split("/"), relpath.split("/"))]
     if owned:
         return "artifact %r names tether's own run file %s (never an artifact): %s" % (pattern, owned[0], fix)
     return ""
+
+
+def is_literal(pattern: str) -> bool:
+    """Whether an artifact pattern names one file (no `*?[`): the run must produce it (manifest.check)."""
+    return not MAGIC.search(pattern)
+
+
+def inputs(run_dir: str) -> set:
+    """Run-dir paths of the pushed code and data (tree.json): inputs, never sealed as results."""
+    tree = read_json(run_file(run_dir, "tree.json")) or {"files": []}
+    return {posixpath.join(root, entry["path"]) for entry in tree["files"] for root in ("code", "data", WORK)}
 
 
 def _matches(parts: List[str], segments: List[str]) -> bool:
@@ -274,18 +294,39 @@ def _roster(run_dir: str, spec: Dict[str, Any]) -> Dict[str, Any]:
     for relpath in wanted:
         listed, why = _fixed(run_dir, relpath)
         files, refused = files + listed, refused + why
-    budget = [MAX_WALK]
+    budget, pushed = [MAX_WALK], inputs(run_dir)
+    workdir = os.path.relpath(work_dir(run_dir), run_dir)
     for pattern in spec.get("artifacts", []):
         problem = artifact_problem(pattern)
         if problem:  # a run.json from before patterns were checked, or one made by hand
             refused.append({"path": pattern, "reason": problem})
             continue
-        found, why = _find(run_dir, artifact_path(pattern) or "", budget)
-        private = [{"path": p, "reason": "tether's own private file: never sealed"} for p in found if is_private(p)]
-        files += [p for p in found if not is_private(p)]
-        refused += why + private
+        found, why = _artifact(run_dir, pattern, workdir, budget, pushed)
+        files += found
+        refused += why
         missing += [] if found or why else [pattern]
     return {"files": sorted(set(files)), "missing": missing, "refused": refused}
+
+
+def _artifact(run_dir: str, pattern: str, workdir: str, budget: List[int],
+              pushed: set) -> Tuple[List[str], List[Dict[str, str]]]:
+    """One pattern's files in artifacts/ and in the working directory, without pushed inputs or private files.
+
+    A glob silently skips the code and data it matches (`work/**/*` must not pull the dataset home
+    again); a literal name that is an input is refused, saying so.
+    """
+    files, refused = [], []
+    for relpath in artifact_paths(pattern, workdir):
+        if budget[0] < 0 and refused:  # the walk's cap was reached in artifacts/: said once is enough
+            break
+        found, why = _find(run_dir, relpath, budget)
+        refused += why + [{"path": p, "reason": "tether's own private file: never sealed"}
+                          for p in found if is_private(p)]
+        if is_literal(pattern):
+            refused += [{"path": p, "reason": "a pushed input (tree.json lists it), not a result: never sealed"}
+                        for p in found if p in pushed]
+        files += [p for p in found if not is_private(p) and p not in pushed]
+    return files, refused
 
 
 def seal(run_dir: str) -> Dict[str, Any]:

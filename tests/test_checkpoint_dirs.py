@@ -157,7 +157,7 @@ def test_the_newest_complete_folders_are_kept_sealed_pulled_and_verified(project
     assert state["checkpoint"] == "checkpoints/checkpoint-12"
     kept = [e["path"] for e in project.events(run_id) if e["event"] == "checkpoint_kept"]
     assert kept == ["checkpoints/checkpoint-12"]
-    final = project.remote_run(run_id) / "code" / "outputs" / "model.safetensors"
+    final = project.remote_run(run_id) / "work" / "outputs" / "model.safetensors"
     assert sha256(final) == uninterrupted(tmp_path)
 
 
@@ -170,14 +170,14 @@ def test_a_folder_half_saved_by_a_crash_is_never_taken_and_the_relaunch_resumes_
     assert skipped == [("outputs/checkpoint-9", "incomplete: no trainer_state.json (Hugging Face's Trainer "
                                                 "writes it last)")], skipped
     first, second = launches(project, run_id)
-    code = str(project.remote_run(run_id) / "code")
+    code = str(project.remote_run(run_id) / "work")
     assert first["resumed_from"] is None and "--resume_from_checkpoint" not in first["argv"]
     assert second["argv"][-2:] == ["--resume_from_checkpoint", f"{code}/outputs/checkpoint-6"], second
     log = (project.remote_run(run_id) / "train.log").read_text()
     assert f"Resuming training from checkpoint {code}/outputs/checkpoint-6 at step 6" in log, log
     assert log.count("{'loss'") == 9 + 6  # steps 1-9, then 7-12: nothing before step 6 trained twice
     assert_pulled_and_verified(project, run_id, "checkpoint-12")
-    assert sha256(project.remote_run(run_id) / "code" / "outputs" / "model.safetensors") == uninterrupted(tmp_path)
+    assert sha256(project.remote_run(run_id) / "work" / "outputs" / "model.safetensors") == uninterrupted(tmp_path)
 
 
 def hold_then(project, signal_launcher: bool) -> str:
@@ -201,13 +201,13 @@ def test_sigterm_from_outside_relaunches_from_the_newest_folder_by_policy(projec
     done = project.doit("run", "train", timeout=180)
     assert done.returncode == 0, out(done)
     first, second = launches(project, run_id)
-    code = str(project.remote_run(run_id) / "code")
+    code = str(project.remote_run(run_id) / "work")
     assert second["argv"][-2:] == ["--resume_from_checkpoint", f"{code}/outputs/checkpoint-6"], second
     assert second["resumed_from"] == f"{code}/outputs/checkpoint-6"
     log = (project.remote_run(run_id) / "train.log").read_text()
     assert f"from checkpoint {code}/outputs/checkpoint-6 at step 6" in log, log
     assert_pulled_and_verified(project, run_id, "checkpoint-12")
-    assert sha256(project.remote_run(run_id) / "code" / "outputs" / "model.safetensors") == uninterrupted(tmp_path)
+    assert sha256(project.remote_run(run_id) / "work" / "outputs" / "model.safetensors") == uninterrupted(tmp_path)
 
 
 def test_a_stopped_run_keeps_seals_and_brings_home_its_newest_folder(project):

@@ -25,7 +25,7 @@ TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50
 
 SCRIPT = '''\
 """A character-level trainer as public ones are written: relative paths, its own out/ folder."""
-import argparse, hashlib, os
+import argparse, hashlib, json, os
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dataset", default="shakespeare_char")
@@ -44,8 +44,9 @@ os.makedirs(args.out_dir, exist_ok=True)
 with open(os.path.join(args.out_dir, "model.pt"), "w") as f:
     f.write(hashlib.sha256(text.encode()).hexdigest())
 os.makedirs("outputs/final", exist_ok=True)
-with open("outputs/final/model.safetensors", "wb") as f:
-    f.write(text.encode()[:64])
+with open("outputs/final/model.safetensors", "wb") as f:  # the format's header, then the bytes
+    header = json.dumps({"w": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]}}).encode()
+    f.write(len(header).to_bytes(8, "little") + header + text.encode()[:64].ljust(64, b" "))
 print("saved", os.path.join(args.out_dir, "model.pt"))
 '''
 

@@ -30,7 +30,7 @@ SHIPPED = (  # what the far side needs: the launcher, the runtime and what they 
     "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py",
     "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
-    "tether/remote/owner.py",
+    "tether/remote/owner.py", "tether/remote/endings.py", "tether/remote/resume.py",
 )
 
 

@@ -17,9 +17,9 @@ from tether import manifest
 from tether.config import asdict
 from tether.errors import BackendError, ManifestError, RemoteCommandError, RunError
 from tether.paths import RunPaths
-from tether.pipelines import transfer
+from tether.pipelines import resuming, transfer
 from tether.pipelines.observe import EventReader, queue_text, tail_text
-from tether.pipelines.session import Session
+from tether.pipelines.session import Session, flag
 from tether.remote.fileio import atomic_write_json, read_json, tar_bytes
 from tether.remote.rundir import restart_allowed
 
@@ -58,18 +58,21 @@ def launch_done(s: Session) -> bool:
     run = s.current()
     if run is None or not os.path.exists(run.stamp("launch")):
         return False
+    if flag(s.variables, "retry"):
+        return False  # launch decides: it relaunches an ended run, or refuses retry=1 of a completed one
     if watch_done(s):
         return True
     snap = s.snapshot(run)
     queued = snap["status"] == "pending" and snap.get("queue")  # waiting in the scheduler's queue
-    return snap["status"] == "running" or snap.get("final", False) or bool(queued)
+    ended = snap.get("final", False) and snap["status"] == "completed"  # stopped: resumed; failed: refused
+    return snap["status"] == "running" or ended or bool(queued)
 
 
 def watch_done(s: Session) -> bool:
     run = s.current()
     if run is None:
         return False
-    return manifest.still_verified(run) or (read_json(run.stamp("watch")) or {}).get("status") == "completed"
+    return resuming.verified_complete(run) or (read_json(run.stamp("watch")) or {}).get("status") == "completed"
 
 
 def pulled_done(s: Session) -> bool:
@@ -145,7 +148,10 @@ def launch(s: Session) -> str:
     """Start the run detached, unless it is running or has ended (then only record that)."""
     run = s.run()
     snap = s.snapshot(run, fresh=True)
-    if snap["status"] == "running" or snap.get("final"):
+    # An ended run runs again only by an explicit verb: a stopped one resumes, retry=1 relaunches a
+    # failed one; relaunch() refuses the rest in one line, or answers "" (completed: left alone).
+    reopened = resuming.relaunch(s, run, snap, flag(s.variables, "retry")) if snap.get("final") else "open"
+    if snap["status"] == "running" or reopened in ("", "running"):
         write_stamp(run, "launch", outcome="already " + snap["status"])
         return f"{run.run_id}: already {snap['status']}; not launched again"
     if s.backend.launches_arrays and s.siblings:
@@ -291,20 +297,24 @@ def _ended_words(s: Session, snap: dict) -> str:
     if state.get("launcher_error"):
         return (f"ended because the launcher failed: {state['launcher_error']} "
                 f"(launcher.log has the traceback; please report it)")
-    text = f"{snap['status']} (exit code {state.get('exit_code')})"
+    if state.get("resume_error"):
+        return f"failed before its trainer started: {state['resume_error']}"
+    if snap["status"] == "stopped":
+        return (f"stopped (exit code {state.get('exit_code')}); {_checkpoint_words(state)}: "
+                f"`doit run train` resumes it" + (" from there" if state.get("checkpoint") else ""))
+    text = resuming.how_it_ended(snap)
     if snap["status"] == "preempted":  # final: the restart policy will not resume it
         restart = s.job.restart
         used = f", {state.get('restarts', 0)} of {restart.max_restarts} restarts used" if restart.policy != "never" else ""
-        text += f" and is not restarted (restart policy {restart.policy!r}{used}); {_checkpoint_words(state)}"
+        text += f" and is not restarted (restart policy {restart.policy!r}{used})"
+    if snap["status"] in ("preempted", "failed"):
+        text += f"; {_checkpoint_words(state)}: {resuming.retry_hint(state)}"
     return text
 
 
 def _checkpoint_words(state: dict) -> str:
     """What a run left to resume from, as the launcher recorded it (older launchers did not)."""
-    if "checkpoint" not in state:
-        return "its checkpoints/ folder holds what it saved"
-    saved = state["checkpoint"]
-    return f"its latest checkpoint is {saved}" if saved else "it saved no checkpoint"
+    return resuming.checkpoint_words(state)
 
 
 def _check_health(s: Session, run: RunPaths, snap: dict) -> None:

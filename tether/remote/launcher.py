@@ -15,7 +15,7 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
     reopen RUN_DIR          an ended run (not completed) becomes startable as its next attempt: its
                             manifest is archived as PULL_MANIFEST.attempt-N.json (explicit verbs only)
-    checkpoint RUN_DIR      the run's latest checkpoint: path, bytes, SHA-256, step (for resume_from=)
+    checkpoint RUN_DIR [REL] the run's latest checkpoint (or REL): path, bytes, SHA-256, step (resume_from=)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
     submit RUN_DIR          SLURM: write job.sh and sbatch it, once per run (settings on stdin)
     submit-array REMOTE_DIR SLURM: one job array for the run dirs on stdin that need a job
@@ -494,8 +494,8 @@ def main(argv: List[str]) -> int:
     elif command == "reopen":
         result = resuming.reopen(args[0], _saved_checkpoint(args[0], read_json(run_file(args[0], "run.json")) or {}))
     elif command == "checkpoint":
-        spec = read_json(run_file(args[0], "run.json")) or {}
-        result = resuming.checkpoint_info(args[0], _saved_checkpoint(args[0], spec) if spec else None)
+        named = args[1] if len(args) > 1 else _saved_checkpoint(args[0], read_json(run_file(args[0], "run.json")) or {})
+        result = resuming.checkpoint_info(args[0], named)
     elif command == "submit":
         result = scheduler.submit(args[0], json.loads(sys.stdin.read()))
     elif command == "submit-array":

@@ -60,13 +60,19 @@ def _events(run_dir: str) -> list:
 
 
 def checkpoint_info(run_dir: str, relpath: Optional[str]) -> Dict[str, Any]:
-    """What `resume_from=` records of a run's latest checkpoint: path, bytes, SHA-256, step, status."""
+    """What `resume_from=` records of a run's checkpoint (its latest, or `relpath`): path, bytes,
+    SHA-256, step, status; `outcome` absent (no run dir) or missing (no such file)."""
     if not os.path.isdir(run_dir):
         return {"outcome": "absent"}
     state = read_json(run_file(run_dir, "state.json")) or {}
     info = {"outcome": "found", "status": state.get("status", "pending"), "checkpoint": relpath}
     if relpath:
-        digest, size = sha256_regular(run_file(run_dir, relpath))
+        if relpath.startswith("/") or ".." in relpath.split("/"):
+            return {"outcome": "missing", "checkpoint": relpath}
+        try:
+            digest, size = sha256_regular(run_file(run_dir, relpath))
+        except OSError:
+            return dict(info, outcome="missing")
         info.update(sha256=digest, bytes=size, step=checkpoint_step(run_dir, relpath))
     return info
 
@@ -120,6 +126,8 @@ def adopt_source(run_dir: str, spec: Dict[str, Any], state: Dict[str, Any]) -> O
     mapped = spec.get("checkpoint_path")
     name = os.path.basename(mapped) if mapped else os.path.basename(source["checkpoint"])
     target = run_file(run_dir, os.path.join("checkpoints", name))
+    if os.path.isfile(target) and sha256_regular(target)[0] == source["sha256"]:
+        return target  # put there already (`tether repro` uploads a pulled copy when the source is gone)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = target + ".tmp-%d" % os.getpid()
     try:

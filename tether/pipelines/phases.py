@@ -150,7 +150,8 @@ def launch(s: Session) -> str:
     snap = s.snapshot(run, fresh=True)
     # An ended run runs again only by an explicit verb: a stopped one resumes, retry=1 relaunches a
     # failed one; relaunch() refuses the rest in one line, or answers "" (completed: left alone).
-    reopened = resuming.relaunch(s, run, snap, flag(s.variables, "retry")) if snap.get("final") else "open"
+    retry = flag(s.variables, "retry")
+    reopened = resuming.relaunch(s, run, snap, retry, _ended_words(s, snap)) if snap.get("final") else "open"
     if snap["status"] == "running" or reopened in ("", "running"):
         write_stamp(run, "launch", outcome="already " + snap["status"])
         return f"{run.run_id}: already {snap['status']}; not launched again"
@@ -293,7 +294,8 @@ def _ended_words(s: Session, snap: dict) -> str:
     state = snap["state"]
     if state.get("start_error"):
         return (f"failed: its trainer could not start: {state['start_error']}: install the program on the "
-                f"far side (its PATH is the launcher's), or correct trainer.command")
+                f"far side (its PATH is the launcher's) and run `doit run train retry=1`, "
+                f"or correct trainer.command")
     if state.get("launcher_error"):
         return (f"ended because the launcher failed: {state['launcher_error']} "
                 f"(launcher.log has the traceback; please report it)")

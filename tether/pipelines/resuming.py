@@ -96,9 +96,9 @@ def how_it_ended(snap: dict) -> str:
     return f"{snap['status']}: {said}" if said else f"{snap['status']} (exit code {snap['state'].get('exit_code')})"
 
 
-def relaunch(s: "Session", run: RunPaths, snap: dict, retry: bool) -> str:
-    """An ended run asked to run again: a stopped one resumes; a failed or preempted one needs retry=1;
-    a completed one never runs again (retry=1 on it is refused)."""
+def relaunch(s: "Session", run: RunPaths, snap: dict, retry: bool, ended: str) -> str:
+    """An ended run asked to run again: a stopped one resumes; a failed or preempted one needs retry=1
+    (refused with `ended`, watch's words for how it ended); a completed one never runs again."""
     status, state = snap["status"], snap["state"]
     if status == "completed":
         if retry:
@@ -107,7 +107,7 @@ def relaunch(s: "Session", run: RunPaths, snap: dict, retry: bool) -> str:
                               f"from its checkpoint")
         return ""
     if status != "stopped" and not retry:
-        raise RunError(f"run {run.run_id} {how_it_ended(snap)}; {checkpoint_words(state)}: {retry_hint(state)}")
+        raise RunError(f"run {run.run_id} {ended}")
     opened = s.backend.launcher("reopen", run.remote_abs)
     if opened["outcome"] == "refused":
         raise ConfigError(f"run {run.run_id}: {opened['error']}")

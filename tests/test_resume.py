@@ -69,7 +69,11 @@ def use_script(project, steps: int = 60, sleep: float = 0.05, restart: str = "{p
 
 
 def far_state(project, run_id: str) -> dict:
-    return json.loads((project.remote_run(run_id) / "state.json").read_text())
+    """The launcher's state.json ({} before the launcher wrote one)."""
+    try:
+        return json.loads((project.remote_run(run_id) / "state.json").read_text())
+    except FileNotFoundError:
+        return {}
 
 
 def printed_step(project, run_id: str) -> int:
@@ -151,3 +155,161 @@ def test_stop_then_train_resumes_from_the_checkpoint_with_the_same_weights(proje
 
     done = project.doit("run", "train", timeout=60)  # completed: left alone, never launched again
     assert done.returncode == 0 and launches(project, run_id) == 2, done.stdout + done.stderr
+
+
+def test_stop_then_train_resumes_the_demo_trainer_from_its_step(project):
+    project.write_config(epochs=400)
+    project.doit("run", "launch", check=True)
+    run_id = project.run_ids()[0]
+    saved = lambda: [e for e in project.events(run_id) if e.get("event") == "checkpoint"]  # noqa: E731
+    project.wait_for(lambda: len(saved()) >= 2, what="two checkpoints")
+    assert project.doit("stop").returncode == 0
+    step = far_state(project, run_id)["checkpoint"].split("-")[-1].split(".")[0]
+    again = project.doit("run", "train", timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resuming {run_id} from checkpoint step {int(step)}, attempt 2" in again.stderr, again.stderr
+    status = project.doit("status", "json=1", check=True)
+    info = json.loads(status.stdout.splitlines()[-1])
+    assert (info["status"], info["attempt"]) == ("completed", 2)
+
+
+# ---------------------------------------------------------------- signals from outside
+
+
+def test_sigterm_to_the_trainer_is_preempted_and_restarted_by_the_policy(project):
+    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2}")
+    doit = project.start("run", "train")
+    try:
+        project.wait_for(lambda: project.run_ids(), what="the run")
+        run_id = project.run_ids()[0]
+        kill_trainer(project, run_id, signal.SIGTERM, after_step=12)
+        out, err = doit.communicate(timeout=180)
+    finally:
+        doit.kill() if doit.poll() is None else None
+    assert doit.returncode == 0, out + err
+    assert "preempted; relaunched from its latest checkpoint (restart 1" in err, err
+    exits = [e for e in project.events(run_id) if e.get("event") == "exit"]
+    assert (exits[0]["status"], exits[0]["signal"], exits[0]["signal_to"]) == ("preempted", "SIGTERM", "trainer")
+    assert far_state(project, run_id)["status"] == "completed"
+    assert "resumed at step" in (project.remote_run(run_id) / "train.log").read_text()
+
+
+def test_sigkill_fails_names_the_signal_and_retry_resumes_it(project):
+    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2}")
+    doit = project.start("run", "train")
+    try:
+        project.wait_for(lambda: project.run_ids(), what="the run")
+        run_id = project.run_ids()[0]
+        kill_trainer(project, run_id, signal.SIGKILL, after_step=12)
+        out, err = doit.communicate(timeout=120)
+    finally:
+        doit.kill() if doit.poll() is None else None
+    assert doit.returncode == 1, out + err
+    assert f"run {run_id} failed: killed by SIGKILL" in err, err
+    assert "its latest checkpoint is checkpoints/ckpt.json: `doit run train retry=1` relaunches it from there" in err
+    state = far_state(project, run_id)
+    assert (state["status"], state["signal"], state["final"]) == ("failed", "SIGKILL", True)
+    status = project.doit("status", check=True)
+    assert f"{run_id}: failed (killed by SIGKILL" in status.stdout, status.stdout
+
+    refused = project.doit("run", "train", timeout=60)  # never relaunched silently
+    assert refused.returncode == 1 and "`doit run train retry=1` relaunches it from there" in refused.stderr
+    assert launches(project, run_id) == 1
+
+    retried = project.doit("run", "train", "retry=1", timeout=180)
+    assert retried.returncode == 0, retried.stdout + retried.stderr
+    assert f"resuming {run_id} from checkpoint" in retried.stderr and "attempt 2" in retried.stderr
+    assert "resumed at step" in (project.remote_run(run_id) / "train.log").read_text()
+    assert far_state(project, run_id)["status"] == "completed"
+
+    again = project.doit("run", "train", "retry=1", timeout=60)  # completed: final for ever
+    lines = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode == 1 and len(lines) == 1, again.stderr
+    assert f"retry=1: run {run_id} completed, and a completed run is final" in lines[0]
+    assert launches(project, run_id) == 2
+
+
+# ---------------------------------------------------------------- resume_from=RUN_ID
+
+
+def test_resume_from_starts_a_new_run_from_the_old_runs_checkpoint(project, tmp_path):
+    use_script(project, steps=30)
+    project.doit("run", "launch", check=True)
+    old = project.run_ids()[0]
+    kill_trainer(project, old, signal.SIGKILL, after_step=12)  # the code had a bug: it crashed
+    project.wait_for(lambda: far_state(project, old).get("final"), what="the crash recorded")
+    checkpoint = project.remote_run(old) / "checkpoints" / "ckpt.json"
+    digest, step = sha256(checkpoint), json.loads(checkpoint.read_text())["step"]
+
+    (project.root / "script" / "train.py").write_text(SCRIPT.replace("time.sleep(args.sleep)", "pass"))  # fixed
+    done = project.doit("run", "train", f"resume_from={old}", timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    new = [r for r in project.run_ids() if r != old]
+    assert len(new) == 1
+    record = json.loads((project.local_run(new[0]) / "run.json").read_text())
+    assert record["resume_from"]["run_id"] == old and record["resume_from"]["sha256"] == digest
+    assert record["resume_from"]["checkpoint"] == "checkpoints/ckpt.json"
+    far = json.loads((project.remote_run(new[0]) / "run.json").read_text())
+    assert far["resume_from"] == record["resume_from"]
+    assert f"resumed at step {step}" in (project.remote_run(new[0]) / "train.log").read_text()
+    status = project.doit("status", f"run={new[0]}", check=True)
+    assert f"resumed from {old} (checkpoint checkpoints/ckpt.json" in status.stdout and digest in status.stdout
+    report = project.doit("report", f"run={new[0]}")
+    assert report.returncode == 0, report.stdout + report.stderr
+    summary = next((project.local_run(new[0])).rglob("*.md")).read_text()
+    assert f"resumed from {old}" in summary
+
+    fresh = project.doit("run", "train", timeout=60)  # the fixed code without resume_from: yet another run
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert len(project.run_ids()) == 3
+
+
+@pytest.mark.parametrize("words, says", [
+    (["resume_from=nosuch-run"], "resume_from=nosuch-run: no such run here or on backend local"),
+    (["resume_from=../x"], "resume_from=../x: invalid run id"),
+    (["retry=maybe"], "retry=maybe: use 1/0, yes/no"),
+])
+def test_bad_resume_words_are_one_line_before_anything_launches(project, words, says):
+    use_script(project, steps=5)
+    done = project.doit("run", "train", *words, timeout=60)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and len(errors) == 1 and says in errors[0], done.stdout + done.stderr
+    assert not (project.root / ".tether" / "remote" / "runs").is_dir() or not any(
+        (project.root / ".tether" / "remote" / "runs").glob("*/state.json"))
+
+
+def test_resume_from_a_run_without_a_checkpoint_is_refused(project):
+    use_script(project, steps=3, sleep=0)
+    project.write_config(project.root.joinpath("tether.yaml").read_text().replace(MAPPED, ""))  # nothing mapped
+    project.doit("run", "train", check=True, timeout=120)
+    old = project.run_ids()[0]
+    done = project.doit("run", "train", f"resume_from={old}", timeout=60)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr
+    assert f"resume_from={old}: run {old} (completed) saved no checkpoint" in errors[0]
+    assert project.run_ids() == [old]
+
+
+# ---------------------------------------------------------------- over ssh
+
+
+def test_stop_then_train_resumes_over_ssh(project, sshd, tmp_path):
+    remote = tmp_path / "far"
+    text = ssh_config_text(sshd, remote).replace("{python} demo/train.py --epochs 30",
+                                                 "{python} script/train.py --steps 60 --sleep 0.05")
+    text = text.replace("paths: [demo/train.py]", "paths: [script/train.py]").replace(
+        "artifacts: [model.json, metrics.json]", "artifacts: [weights.json]")
+    use_script(project, text=text)
+    project.doit("run", "launch", check=True, timeout=120)
+    run_id = project.run_ids()[0]
+    log = remote / "runs" / run_id / "train.log"
+    step = lambda: max([int(l.split()[1]) for l in log.read_text().splitlines() if l.startswith("step ")] or [0]) \
+        if log.exists() else 0  # noqa: E731
+    project.wait_for(lambda: step() >= 12, what="step 12")
+    assert project.doit("stop", timeout=60).returncode == 0
+    again = project.doit("run", "train", timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resuming {run_id} from checkpoint" in again.stderr and "attempt 2" in again.stderr, again.stderr
+    state = json.loads((remote / "runs" / run_id / "state.json").read_text())
+    assert (state["status"], state["attempt"]) == ("completed", 2)
+    assert "resumed at step" in log.read_text()

@@ -151,7 +151,9 @@ def launch(s: Session) -> str:
     # An ended run runs again only by an explicit verb: a stopped one resumes, retry=1 relaunches a
     # failed one; relaunch() refuses the rest in one line, or answers "" (completed: left alone).
     retry = flag(s.variables, "retry")
-    reopened = resuming.relaunch(s, run, snap, retry, _ended_words(s, snap)) if snap.get("final") else "open"
+    if snap.get("final") and snap["status"] not in ("stopped", "completed") and not retry:
+        raise RunError(_ended_message(s, run, snap))  # failed or preempted: never relaunched silently
+    reopened = resuming.relaunch(s, run, snap, retry) if snap.get("final") else "open"
     if snap["status"] == "running" or reopened in ("", "running"):
         write_stamp(run, "launch", outcome="already " + snap["status"])
         return f"{run.run_id}: already {snap['status']}; not launched again"
@@ -229,9 +231,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     state = snap["state"]
     write_stamp(run, "watch", status=snap["status"], exit_code=state.get("exit_code"))
     if snap["status"] != "completed":
-        log = tail_text(s.backend.filesystem(), run)
-        raise RunError(f"run {run.run_id} {_ended_words(s, snap)}; the end of train.log:\n{log}\n"
-                       f"`doit pull run={run.run_id}` brings its files home")
+        raise RunError(_ended_message(s, run, snap))
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
 
@@ -287,6 +287,13 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
     saved = _checkpoint_words(snap["state"])
     raise RunError(f"run {run.run_id} is {status} ({why}); {saved}: `doit run train` "
                    + ("resumes it from there" if snap["state"].get("checkpoint") else "runs it again"))
+
+
+def _ended_message(s: Session, run: RunPaths, snap: dict) -> str:
+    """watch's (and a refused relaunch's) account of a run that ended without completing."""
+    log = tail_text(s.backend.filesystem(), run)
+    return (f"run {run.run_id} {_ended_words(s, snap)}; the end of train.log:\n{log}\n"
+            f"`doit pull run={run.run_id}` brings its files home")
 
 
 def _ended_words(s: Session, snap: dict) -> str:

@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from tether import manifest
-from tether.errors import ConfigError, RunError
+from tether.errors import ConfigError
 from tether.paths import RunPaths, check_run_id
 from tether.remote.endings import words as signal_words
 from tether.remote.fileio import read_json
@@ -96,18 +96,15 @@ def how_it_ended(snap: dict) -> str:
     return f"{snap['status']}: {said}" if said else f"{snap['status']} (exit code {snap['state'].get('exit_code')})"
 
 
-def relaunch(s: "Session", run: RunPaths, snap: dict, retry: bool, ended: str) -> str:
-    """An ended run asked to run again: a stopped one resumes; a failed or preempted one needs retry=1
-    (refused with `ended`, watch's words for how it ended); a completed one never runs again."""
-    status, state = snap["status"], snap["state"]
-    if status == "completed":
+def relaunch(s: "Session", run: RunPaths, snap: dict, retry: bool) -> str:
+    """An ended run asked to run again (a stopped one, or any with retry=1): reopened on the far side and
+    archived here; a completed one never runs again. The far side's outcome ("" when left alone)."""
+    if snap["status"] == "completed":
         if retry:
             raise ConfigError(f"retry=1: run {run.run_id} completed, and a completed run is final: change the "
                               f"code or config for a new run, or pass resume_from={run.run_id} to start one "
                               f"from its checkpoint")
         return ""
-    if status != "stopped" and not retry:
-        raise RunError(f"run {run.run_id} {ended}")
     opened = s.backend.launcher("reopen", run.remote_abs)
     if opened["outcome"] == "refused":
         raise ConfigError(f"run {run.run_id}: {opened['error']}")

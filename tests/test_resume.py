@@ -313,3 +313,37 @@ def test_stop_then_train_resumes_over_ssh(project, sshd, tmp_path):
     state = json.loads((remote / "runs" / run_id / "state.json").read_text())
     assert (state["status"], state["attempt"]) == ("completed", 2)
     assert "resumed at step" in log.read_text()
+
+
+def test_repro_of_a_resumed_run_uses_the_same_checkpoint_or_says_why_not(project):
+    use_script(project, steps=30)
+    project.doit("run", "launch", check=True)
+    old = project.run_ids()[0]
+    kill_trainer(project, old, signal.SIGKILL, after_step=12)
+    project.wait_for(lambda: far_state(project, old).get("final"), what="the crash recorded")
+    project.doit("pull", f"run={old}", check=True)  # its checkpoint is pulled here too
+    project.doit("run", "train", f"resume_from={old}", check=True, timeout=180)
+    new = next(r for r in project.run_ids() if r != old)
+
+    done = project.tether("repro", f".tether/runs/{new}")
+    assert f"resuming from {old}'s checkpoint checkpoints/ckpt.json on backend local (sha256 matches)" \
+        in done.stdout, done.stdout + done.stderr
+    repro = next(r for r in project.run_ids() if r not in (old, new))
+    assert json.loads((project.local_run(repro) / "run.json").read_text())["resume_from"]["run_id"] == old
+    assert "resumed at step" in (project.remote_run(repro) / "train.log").read_text()
+
+    shutil.rmtree(project.remote_run(old))  # the source is gone from the backend: the pulled copy is used
+    shutil.rmtree(project.remote_run(repro))
+    shutil.rmtree(project.local_run(repro))
+    done = project.tether("repro", f".tether/runs/{new}")
+    assert f"run {old} is not on backend local" in done.stdout and "uploaded the pulled copy" in done.stdout, \
+        done.stdout + done.stderr
+
+    (project.local_run(old) / "files" / "checkpoints" / "ckpt.json").unlink()  # nowhere now: refused, naming why
+    for name in [r for r in project.run_ids() if r not in (old, new)]:
+        shutil.rmtree(project.remote_run(name))
+        shutil.rmtree(project.local_run(name))
+    refused = project.tether("repro", f".tether/runs/{new}")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"it resumed from run {old}'s checkpoint checkpoints/ckpt.json" in refused.stderr, refused.stderr
+    assert "is missing" in refused.stderr

@@ -162,12 +162,14 @@ def test_preempted_run_stays_preempted_under_never_until_train_resumes_it(projec
     doit = project.start("run", "train")
     preempt(project, 10, attempt=1)
     out, err = doit.communicate(timeout=180)
-    assert doit.returncode == 1 and "is preempted" in err and "doit run train" in err
+    assert doit.returncode == 1 and "preempted (exit code 75) and is not restarted" in err and "retry=1" in err
     status = json.loads(project.doit("status", "json=1", check=True).stdout.splitlines()[-1])
     assert status["status"] == "preempted"
-    project.doit("run", "train", check=True, timeout=300)
+    refused = project.doit("run", "train", timeout=120)  # never relaunched silently: retry=1 is named
+    assert refused.returncode == 1 and "`doit run train retry=1` relaunches it from there" in refused.stderr
+    project.doit("run", "train", "retry=1", check=True, timeout=300)
     status = json.loads(project.doit("status", "json=1", check=True).stdout.splitlines()[-1])
-    assert (status["status"], status["restarts"]) == ("completed", 1)
+    assert (status["status"], status["attempt"], status["restarts"]) == ("completed", 2, 0)  # retry=1: a fresh budget
 
 
 @pytest.mark.parametrize("change, message", [

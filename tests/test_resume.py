@@ -347,3 +347,47 @@ def test_repro_of_a_resumed_run_uses_the_same_checkpoint_or_says_why_not(project
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert f"it resumed from run {old}'s checkpoint checkpoints/ckpt.json" in refused.stderr, refused.stderr
     assert "is missing" in refused.stderr
+
+
+# ---------------------------------------------------------------- crashes, and how endings are named
+
+
+def test_a_crash_is_failed_with_the_signal_named(project):
+    (project.root / "demo" / "crash.py").write_text("import os\nprint('about to abort', flush=True)\nos.abort()\n")
+    project.write_config(config_text(command="{python} demo/crash.py", code="demo/crash.py",
+                                     artifacts="model.json") + "restart: {policy: on-failure, max_restarts: 0}\n")
+    done = project.doit("run", "train", timeout=120)
+    run_id = project.run_ids()[0]
+    assert done.returncode == 1 and f"run {run_id} failed: killed by SIGABRT;" in done.stderr, done.stderr
+    assert "it saved no checkpoint: `doit run train retry=1` relaunches it from the start" in done.stderr
+    state = far_state(project, run_id)
+    assert (state["status"], state["signal"], state["exit_code"]) == ("failed", "SIGABRT", -signal.SIGABRT)
+
+
+@pytest.mark.parametrize("returncode, received, status, said", [
+    (-signal.SIGTERM, "", "preempted", "ended by SIGTERM"),
+    (-signal.SIGINT, "", "preempted", "ended by SIGINT"),
+    (-signal.SIGHUP, "", "preempted", "ended by SIGHUP"),
+    (-signal.SIGKILL, "SIGTERM", "preempted", "ended by SIGTERM"),  # the launcher's grace SIGKILL after a TERM
+    (-signal.SIGKILL, "", "failed", "killed by SIGKILL"),
+    (-signal.SIGSEGV, "", "failed", "killed by SIGSEGV"),
+    (75, "", "preempted", ""),
+    (1, "", "failed", ""),
+])
+def test_endings_are_named_by_their_signal(returncode, received, status, said):
+    from tether.remote import endings
+
+    ended = endings.outcome(returncode, False, received, None)
+    assert (ended["status"], endings.words(ended)) == (status, said)
+
+
+def test_a_sigkill_reads_out_of_memory_only_when_the_cgroup_counted_one():
+    from tether.remote import endings
+
+    now = endings.oom_kills()  # read without privileges where the kernel offers it; None where not
+    assert now is None or now >= 0
+    unchanged = endings.outcome(-signal.SIGKILL, False, "", now)
+    assert endings.words(unchanged) == "killed by SIGKILL"
+    if now is not None:
+        counted = endings.outcome(-signal.SIGKILL, False, "", now - 1)  # one OOM kill since the attempt began
+        assert endings.words(counted) == "killed by SIGKILL (out of memory?)"

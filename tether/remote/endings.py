@@ -64,11 +64,11 @@ def oom_kills() -> Optional[int]:
 def outcome(returncode: Optional[int], stop_requested: bool, received: str,
             oom_before: Optional[int]) -> Dict[str, Any]:
     """{status, signal, signal_to, oom}: how an attempt ended; `received` is a signal the launcher got."""
-    if stop_requested:
-        return {"status": "stopped", "signal": None}
+    died_of = signal_name(-returncode) if returncode is not None and returncode < 0 else ""
+    if stop_requested:  # tether's stop: the signal is recorded (TERM, or the KILL after the grace), not judged
+        return {"status": "stopped", "signal": received or died_of or None}
     if returncode == 0:
         return {"status": "completed", "signal": None}
-    died_of = signal_name(-returncode) if returncode is not None and returncode < 0 else ""
     if received in PREEMPTING:  # the launcher was told to stop (and told the trainer): whatever it died of
         return {"status": "preempted", "signal": received, "signal_to": "launcher"}
     if returncode == PREEMPTED_EXIT:

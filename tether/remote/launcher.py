@@ -54,7 +54,7 @@ from tether.remote.rundir import (  # noqa: E402
     decide_final, event, is_alive, is_final, now, restart_allowed, run_file, seal, try_lock, update_state,
     write_private,
 )
-from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint  # noqa: E402
+from tether.trainers.runtime import latest_checkpoint  # noqa: E402
 
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3

@@ -682,8 +682,12 @@ def test_stop_scancels_term_then_kill_and_ends_stopped(project, cluster, remote)
 
     again = project.doit("stop", check=True)
     assert f"{run_id}: was not running" in again.stdout, again.stdout
-    launched = project.doit("run", "launch", check=True)  # a stopped run is never submitted again
-    assert far_json(remote, run_id, "slurm.json")["jobs"] == [job_id], launched.stdout
+    launched = project.doit("run", "launch", check=True)  # stop is a pause: launch submits its next attempt
+    assert f"resuming {run_id} from" in launched.stderr, launched.stdout + launched.stderr
+    jobs = far_json(remote, run_id, "slurm.json")["jobs"]
+    assert jobs[0] == job_id and len(jobs) == 2, launched.stdout
+    assert (far(remote, run_id) / "PULL_MANIFEST.attempt-1.json").is_file()
+    assert project.doit("stop", timeout=120).returncode == 0
 
 
 def jobs_of_run(cluster, run_id: str) -> list[str]:

@@ -162,17 +162,20 @@ def test_preempted_run_under_never_is_sealed_and_comes_home_with_its_checkpoint(
     doit = project.start("run", "train")
     preempt(project, 10, attempt=1)
     out, err = doit.communicate(timeout=180)
-    assert doit.returncode == 1 and "is not restarted (restart policy 'never')" in err, err
-    assert "its latest checkpoint is checkpoints/" in err
+    assert doit.returncode == 1 and "preempted (exit code 75) and is not restarted (restart policy 'never')" in err, err
+    assert "its latest checkpoint is checkpoints/" in err and "retry=1" in err
     status = json.loads(project.doit("status", "json=1", check=True).stdout.splitlines()[-1])
     assert status["status"] == "preempted"
-    again = project.doit("run", "train", timeout=300)  # ended for good: never relaunched
-    assert again.returncode == 1 and "is not restarted" in again.stderr, again.stdout + again.stderr
-    assert [e["event"] for e in project.events()].count("launch") == 1
-    project.doit("pull", "verify", check=True, timeout=300)  # what the message promises comes home
+    project.doit("pull", "verify", check=True, timeout=300)  # sealed: what the message promises comes home
     verified = json.loads((project.local_run() / "PULL_VERIFIED.json").read_text())
     assert any(path.startswith("checkpoints/") for path in verified["files"])
     assert verified["torch_loaded"] >= 1  # the checkpoint that came home loads with weights_only=True
+    refused = project.doit("run", "train", timeout=120)  # never relaunched silently: retry=1 is named
+    assert refused.returncode == 1 and "`doit run train retry=1` relaunches it from there" in refused.stderr
+    assert [e["event"] for e in project.events()].count("launch") == 1
+    project.doit("run", "train", "retry=1", check=True, timeout=300)
+    status = json.loads(project.doit("status", "json=1", check=True).stdout.splitlines()[-1])
+    assert (status["status"], status["attempt"], status["restarts"]) == ("completed", 2, 0)  # retry=1: a fresh budget
 
 
 @pytest.mark.parametrize("change, message", [

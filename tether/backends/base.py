@@ -32,6 +32,7 @@ SHIPPED = (  # what the far side needs: the launcher, the runtime and what they 
     "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
     "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
     "tether/remote/owner.py", "tether/remote/progress.py", "tether/remote/workdir.py",
+    "tether/remote/endings.py", "tether/remote/resume.py",
 )
 
 

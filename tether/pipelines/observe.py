@@ -12,7 +12,9 @@ from typing import Any, Optional
 from tether import manifest
 from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
+from tether.pipelines import resuming
 from tether.pipelines.session import Session, flag
+from tether.remote.endings import words as signal_words
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves (tqdm's nested bars)
 
@@ -112,7 +114,8 @@ def summary(s: Session, run: RunPaths, snap: dict) -> dict:
             "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
             "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
-            "queue": queue_text(snap)}
+            "queue": queue_text(snap), "resume_from": s.record(run).get("resume_from"),
+            "signal": state.get("signal")}
 
 
 def queue_text(snap: dict) -> Optional[str]:
@@ -132,7 +135,11 @@ def status(s: Session) -> None:
     if flag(s.variables, "json"):
         print(json.dumps(info, sort_keys=True))
         return
-    print(f"{info['run_id']}: {info['status']}")
+    ended = signal_words(info) if info["status"] in ("failed", "preempted") else ""
+    print(f"{info['run_id']}: {info['status']}" + (f" ({ended})" if ended else ""))
+    lineage = resuming.lineage(info)
+    if lineage:
+        print(f"  {lineage}")
     for key in ("queue", "step", "loss", "heartbeat_age_s", "elapsed_s", "restarts", "exit_code", "host", "where"):
         if info[key] is not None:
             print(f"  {key:16} {info[key]}")

@@ -18,9 +18,9 @@ from tether import manifest
 from tether.config import asdict
 from tether.errors import BackendError, ManifestError, RemoteCommandError, RunError
 from tether.paths import RunPaths
-from tether.pipelines import transfer
+from tether.pipelines import resuming, transfer
 from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
-from tether.pipelines.session import Session
+from tether.pipelines.session import Session, flag
 from tether.remote.fileio import atomic_write_json, read_json, tar_bytes
 from tether.remote.rundir import restart_allowed
 
@@ -59,18 +59,21 @@ def launch_done(s: Session) -> bool:
     run = s.current()
     if run is None or not os.path.exists(run.stamp("launch")):
         return False
+    if flag(s.variables, "retry"):
+        return False  # launch decides: it relaunches an ended run, or refuses retry=1 of a completed one
     if watch_done(s):
         return True
     snap = s.snapshot(run)
     queued = snap["status"] == "pending" and snap.get("queue")  # waiting in the scheduler's queue
-    return snap["status"] == "running" or snap.get("final", False) or bool(queued)
+    ended = snap.get("final", False) and snap["status"] == "completed"  # stopped: resumed; failed: refused
+    return snap["status"] == "running" or ended or bool(queued)
 
 
 def watch_done(s: Session) -> bool:
     run = s.current()
     if run is None:
         return False
-    return manifest.still_verified(run) or (read_json(run.stamp("watch")) or {}).get("status") == "completed"
+    return resuming.verified_complete(run) or (read_json(run.stamp("watch")) or {}).get("status") == "completed"
 
 
 def pulled_done(s: Session) -> bool:
@@ -148,7 +151,13 @@ def launch(s: Session) -> str:
     """Start the run detached, unless it is running or has ended (then only record that)."""
     run = s.run()
     snap = s.snapshot(run, fresh=True)
-    if snap["status"] == "running" or snap.get("final"):
+    # An ended run runs again only by an explicit verb: a stopped one resumes, retry=1 relaunches a
+    # failed one; relaunch() refuses the rest in one line, or answers "" (completed: left alone).
+    retry = flag(s.variables, "retry")
+    if snap.get("final") and snap["status"] not in ("stopped", "completed") and not retry:
+        raise RunError(_ended_message(s, run, snap))  # failed or preempted: never relaunched silently
+    reopened = resuming.relaunch(s, run, snap, retry) if snap.get("final") else "open"
+    if snap["status"] == "running" or reopened in ("", "running"):
         write_stamp(run, "launch", outcome="already " + snap["status"])
         return f"{run.run_id}: already {snap['status']}; not launched again"
     if s.backend.launches_arrays and s.siblings:
@@ -230,9 +239,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
     state = snap["state"]
     write_stamp(run, "watch", status=snap["status"], exit_code=state.get("exit_code"))
     if snap["status"] != "completed":
-        log = tail_text(s.backend.filesystem(), run)
-        raise RunError(f"run {run.run_id} {_ended_words(s, snap)}; the end of train.log:\n{log}\n"
-                       f"`doit pull run={run.run_id}` brings its files home")
+        raise RunError(_ended_message(s, run, snap))
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
 
@@ -304,29 +311,41 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
                    + ("resumes it from there" if snap["state"].get("checkpoint") else "runs it again"))
 
 
+def _ended_message(s: Session, run: RunPaths, snap: dict) -> str:
+    """watch's (and a refused relaunch's) account of a run that ended without completing."""
+    log = tail_text(s.backend.filesystem(), run)
+    return (f"run {run.run_id} {_ended_words(s, snap)}; the end of train.log:\n{log}\n"
+            f"`doit pull run={run.run_id}` brings its files home")
+
+
 def _ended_words(s: Session, snap: dict) -> str:
     """How a run that will not run again ended, for watch's last line: whose failure, what it left."""
     state = snap["state"]
     if state.get("start_error"):
         return (f"failed: its trainer could not start: {state['start_error']}: install the program on the "
-                f"far side (its PATH is the launcher's), or correct trainer.command")
+                f"far side (its PATH is the launcher's) and run `doit run train retry=1`, "
+                f"or correct trainer.command")
     if state.get("launcher_error"):
         return (f"ended because the launcher failed: {state['launcher_error']} "
                 f"(launcher.log has the traceback; please report it)")
-    text = f"{snap['status']} (exit code {state.get('exit_code')})"
+    if state.get("resume_error"):
+        return f"failed before its trainer started: {state['resume_error']}"
+    if snap["status"] == "stopped":
+        return (f"stopped (exit code {state.get('exit_code')}); {_checkpoint_words(state)}: "
+                f"`doit run train` resumes it" + (" from there" if state.get("checkpoint") else ""))
+    text = resuming.how_it_ended(snap)
     if snap["status"] == "preempted":  # final: the restart policy will not resume it
         restart = s.job.restart
         used = f", {state.get('restarts', 0)} of {restart.max_restarts} restarts used" if restart.policy != "never" else ""
-        text += f" and is not restarted (restart policy {restart.policy!r}{used}); {_checkpoint_words(state)}"
+        text += f" and is not restarted (restart policy {restart.policy!r}{used})"
+    if snap["status"] in ("preempted", "failed"):
+        text += f"; {_checkpoint_words(state)}: {resuming.retry_hint(state)}"
     return text
 
 
 def _checkpoint_words(state: dict) -> str:
     """What a run left to resume from, as the launcher recorded it (older launchers did not)."""
-    if "checkpoint" not in state:
-        return "its checkpoints/ folder holds what it saved"
-    saved = state["checkpoint"]
-    return f"its latest checkpoint is {saved}" if saved else "it saved no checkpoint"
+    return resuming.checkpoint_words(state)
 
 
 def _check_health(s: Session, run: RunPaths, snap: dict) -> None:

@@ -8,6 +8,7 @@ import os
 from tether import manifest
 from tether.errors import RunError
 from tether.paths import RunPaths
+from tether.pipelines import resuming
 from tether.pipelines.session import Session
 from tether.remote.fileio import read_json
 
@@ -33,7 +34,8 @@ def facts(run: RunPaths) -> dict:
             "wall_s": round(wall, 1), "restarts": state.get("restarts", 0), "host": state.get("host"),
             "backend": spec.get("backend"), "code_hash": spec.get("code_hash"), "data_hash": spec.get("data_hash"),
             "manifest_sha256": verified["manifest_sha256"], "metrics": metrics or {},
-            "restart_steps": [_step_at(steps, l["t"]) for l in launches[1:]]}
+            "restart_steps": [_step_at(steps, l["t"]) for l in launches[1:]],
+            "lineage": resuming.lineage(spec), "attempts": state.get("attempt")}
 
 
 def _step_at(steps: list[dict], t: float) -> int:
@@ -47,7 +49,10 @@ def markdown(f: dict) -> str:
     lines += [f"| {k} | {v} |" for k, v in sorted(f["metrics"].items())]
     lines += ["", "## The run", "", "| | |", "|---|---|", f"| status | {f['status']} |",
               f"| steps | {f['steps']} |", f"| wall time (s) | {f['wall_s']} |",
-              f"| restarts | {f['restarts']} |", f"| ran on | {f['host']} (backend {f['backend']}) |",
+              f"| restarts | {f['restarts']} |"] + \
+             ([f"| attempts | {f['attempts']} |"] if f.get("attempts") else []) + \
+             ([f"| lineage | {f['lineage']} |"] if f.get("lineage") else []) + [
+              f"| ran on | {f['host']} (backend {f['backend']}) |",
               f"| code sha256 | {_hash(f['code_hash'])} |", f"| data sha256 | {_hash(f['data_hash'])} |",
               f"| manifest sha256 | `{f['manifest_sha256']}` |", "",
               "![curves](curves.png)", "",

@@ -20,7 +20,7 @@ from tether.config import Problems, Restart
 from tether.errors import ConfigError, RunError
 from tether.hashing import Entry
 from tether.paths import RunPaths, check_run_id
-from tether.pipelines import phases
+from tether.pipelines import phases, transfer
 from tether.pipelines.session import RECORD_FIELDS, Session
 from tether.remote.fileio import read_json, sha256_file
 from tether.sweep import Point
@@ -138,6 +138,8 @@ def reproduce(s: Session, recorded: Recorded, tolerance: float) -> tuple[bool, s
               f"this is {s.backend.version} (the built-in trainer lives there)")
     for done, phase in ((phases.up_done, phases.up), (phases.push_done, phases.push),
                         (phases.launch_done, phases.launch), (phases.watch_done, phases.watch)):
+        if phase is phases.launch and not done(again):
+            resume_source(s, recorded, again)  # before its first attempt: the same checkpoint, or why not
         if not done(again):
             print(phase(again))
     if not phases.pulled_done(again):
@@ -161,6 +163,38 @@ def session_for(s: Session, recorded: Recorded) -> Session:
         raise RunError(f"{recorded.run.run_id}: tree.json does not give the code and data hashes its run.json "
                        f"records: the record is inconsistent")
     return again
+
+
+def resume_source(s: Session, recorded: Recorded, again: Session) -> None:
+    """A run that was seeded by `resume_from=` re-runs from that same checkpoint, checked by SHA-256:
+    the source run's copy on the backend, else a pulled copy here (uploaded into the new run); else
+    a refusal naming where it looked and what it found."""
+    source = recorded.spec.get("resume_from")
+    if not source:
+        return
+    src = s.paths(source["run_id"])
+    far = s.backend.launcher("checkpoint", src.remote_abs, source["checkpoint"])
+    if far["outcome"] == "found" and far["sha256"] == source["sha256"]:
+        print(f"{recorded.run.run_id}: resuming from {source['run_id']}'s checkpoint {source['checkpoint']} on "
+              f"backend {s.job.backend} (sha256 matches)")
+        return
+    there = {"absent": f"run {source['run_id']} is not on backend {s.job.backend} (`doit down` removed it?)",
+             "missing": f"run {source['run_id']} on backend {s.job.backend} no longer has it"}.get(
+        far["outcome"], f"backend {s.job.backend} has other bytes (sha256 {far.get('sha256', '')[:12]})")
+    local = src.pulled(source["checkpoint"])
+    here = sha256_file(local)[0] if os.path.isfile(local) else None
+    if here != source["sha256"]:
+        found = f"other bytes (sha256 {here[:12]})" if here else "missing"
+        raise RunError(f"refusing to reproduce {recorded.run.run_id}: it resumed from run {source['run_id']}'s "
+                       f"checkpoint {source['checkpoint']} (sha256 {source['sha256']}); {there}, and {local} is "
+                       f"{found}: `doit pull run={source['run_id']}` where it still exists, or copy the run folder here")
+    mapped = again.launch_spec.get("checkpoint_path")
+    name = os.path.basename(mapped) if mapped else os.path.basename(source["checkpoint"])
+    run = again.run()
+    with transfer.bar(os.path.getsize(local), "checkpoint") as progress:
+        transfer.put_atomic(s.backend.filesystem(), local, run.remote_file(f"checkpoints/{name}"), progress)
+    print(f"{recorded.run.run_id}: {there}; uploaded the pulled copy of its checkpoint {source['checkpoint']} "
+          f"(sha256 matches) to resume from")
 
 
 def _trainer(section: dict) -> Any:

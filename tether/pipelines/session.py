@@ -29,13 +29,13 @@ from tether.hashing import Entry, HashCache, tree, tree_hash
 from tether.paths import RunPaths, check_run_id, mint_run_id, runs_dir
 from tether.remote.fileio import atomic_write_json, read_json
 
-VARIABLES = ("config", "backend", "run", "confirm", "json", "strict", "tolerance")
+VARIABLES = ("config", "backend", "run", "confirm", "json", "strict", "tolerance", "retry", "resume_from")
 # What run.json holds besides the launch spec (so the spec can be read back out of a record).
 RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_hash", "code_hash", "data_hash",
                  "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of")
 
 
-BOOLEANS = ("confirm", "json", "strict")  # the variables that say yes or no
+BOOLEANS = ("confirm", "json", "strict", "retry")  # the variables that say yes or no
 YES, NO = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
 
 
@@ -69,6 +69,14 @@ def flag(variables: dict[str, str], name: str) -> bool:
     return str(word).strip().lower() in YES
 
 
+def _check_id_variable(name: str, word: str) -> None:
+    """A run id given as `name=word`, refused in one line naming the variable."""
+    try:
+        check_run_id(word)
+    except RunError as err:
+        raise ConfigError(f"{name}={word}: {err}") from None
+
+
 def open_backend(job: Job, state_dir: str) -> Backend:
     module = BACKEND_TYPES[job.backend_config.type]
     cls = config_mod.load_class(module + ":Backend")
@@ -95,8 +103,9 @@ class Session:
         path = variables.get("config") or config_mod.default_path(cwd)
         job = config_mod.load(path, variables.get("backend") or None, files)
         state_dir = os.path.abspath(os.path.join(cwd, ".tether"))
-        if variables.get("run") is not None:
-            check_run_id(variables["run"])
+        for name in ("run", "resume_from"):
+            if variables.get(name) is not None:
+                _check_id_variable(name, variables[name])
         return cls(job, open_backend(job, state_dir), state_dir, variables)
 
     @functools.cached_property
@@ -137,6 +146,10 @@ class Session:
                     restart=asdict(self.job.restart))
         if self.point:
             spec["params"] = self.point.values
+        if self.variables.get("resume_from") and not self.repro_of:  # a repro's spec is the recorded one
+            from tether.pipelines import resuming
+
+            spec["resume_from"] = resuming.source(self, self.variables["resume_from"])  # part of the identity
         return spec
 
     @functools.cached_property

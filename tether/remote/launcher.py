@@ -13,6 +13,9 @@ Copied to `<remote_dir>/tether/<version-hash>/` and run there as
     materialize RUN_DIR     build code/, data/ and work/ from tree.json (given on stdin the first time)
     prune REMOTE_DIR        remove objects that no run's tree.json references
     seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
+    reopen RUN_DIR          an ended run (not completed) becomes startable as its next attempt: its
+                            manifest is archived as PULL_MANIFEST.attempt-N.json (explicit verbs only)
+    checkpoint RUN_DIR [REL] the run's latest checkpoint (or REL): path, bytes, SHA-256, step (resume_from=)
     check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
     submit RUN_DIR          SLURM: write job.sh and sbatch it, once per run (settings on stdin)
     submit-array REMOTE_DIR SLURM: one job array for the run dirs on stdin that need a job
@@ -44,7 +47,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
-from tether.remote import machine, objects, progress, scheduler  # noqa: E402
+from tether.remote import endings, machine, objects, progress, resume as resuming, scheduler  # noqa: E402
 from tether.remote import mapped as own_checkpoints  # noqa: E402
 from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
 from tether.remote.rundir import (  # noqa: E402
@@ -52,7 +55,7 @@ from tether.remote.rundir import (  # noqa: E402
     write_private,
 )
 from tether.remote.workdir import work_dir  # noqa: E402
-from tether.trainers.runtime import PREEMPTED_EXIT, latest_checkpoint  # noqa: E402
+from tether.trainers.runtime import latest_checkpoint  # noqa: E402
 
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3
@@ -165,15 +168,10 @@ def _heartbeat(run_dir: str, done: threading.Event) -> None:
         done.wait(HEARTBEAT_S)
 
 
-def _outcome(run_dir: str, returncode: int, signalled: str) -> str:
-    """completed, stopped (tether's stop), preempted (a signal from outside, or exit 75), or failed."""
-    if os.path.exists(run_file(run_dir, "stop_requested")):
-        return "stopped"
-    if returncode == 0:
-        return "completed"
-    if returncode == PREEMPTED_EXIT or signalled:
-        return "preempted"  # the scheduler or an admin ended it: resumable from its checkpoints
-    return "failed"
+def _outcome(run_dir: str, returncode: int, signalled: str, oom_before: Optional[int]) -> Dict[str, Any]:
+    """How the attempt ended (tether.remote.endings): stopped by tether, completed, preempted, failed."""
+    stopped = os.path.exists(run_file(run_dir, "stop_requested"))
+    return endings.outcome(returncode, stopped, signalled, oom_before)
 
 
 def run(run_dir: str) -> int:
@@ -203,6 +201,11 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     except FileNotFoundError:
         pass
     attempt = int(state.get("attempt", 0)) + 1
+    base = int(state.get("restart_base") or 0)  # a reopened run's restart budget counts from its reopening
+    try:
+        resuming.adopt_source(run_dir, spec, state)  # resume_from=: the source's checkpoint, checked
+    except resuming.SourceError as err:
+        return _ended_before_start(run_dir, attempt, resume_error=str(err))
     resume = _resume_point(run_dir, spec)
     argv = _trainer_command(spec, resume)
     supervisor.grace_s = float(spec.get("grace_seconds", 30))
@@ -223,10 +226,11 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     tail = progress.follow(run_file(run_dir, "train.log"), run_file(run_dir, "events.jsonl"), spec, offset)
     update_state(
         run_dir, status="running", pid=os.getpid(), pgid=child.pid, attempt=attempt,
-        restarts=attempt - 1, started_at=now(), resumed_from=resume, host=os.uname()[1],
+        restarts=attempt - 1 - base, started_at=now(), resumed_from=resume, host=os.uname()[1],
         exit_code=None, ended_at=None, final=False, launcher_version=os.path.basename(VERSION_DIR),
     )
-    event(run_dir, "launch", attempt=attempt, restarts=attempt - 1, resumed_from=resume, argv=argv)
+    event(run_dir, "launch", attempt=attempt, restarts=attempt - 1 - base, resumed_from=resume, argv=argv)
+    oom_before = endings.oom_kills()  # an OOM kill during the attempt raises the cgroup's count
     done = threading.Event()
     threading.Thread(target=_heartbeat, args=(run_dir, done), daemon=True).start()
     returncode = child.wait()
@@ -235,29 +239,36 @@ def _attempt(run_dir: str, state: Dict[str, Any], lock: int, supervisor: _Superv
     if tail:
         tail.finish()  # its last events land before "exit" and before the seal reads events.jsonl
     _keep_mapped_checkpoint(run_dir, spec)
-    status = _outcome(run_dir, returncode, supervisor.signalled)
-    final = decide_final(status, spec, attempt)
-    update_state(run_dir, status=status, final=final, exit_code=returncode, ended_at=now(),
-                 signal=supervisor.signalled or None, checkpoint=_saved_checkpoint(run_dir, spec))
-    event(run_dir, "exit", status=status, exit_code=returncode, attempt=attempt, final=final)
+    ended = _outcome(run_dir, returncode, supervisor.signalled, oom_before)
+    status = ended["status"]
+    final = decide_final(status, spec, attempt - base)
+    fields = dict({"signal_to": None, "oom": None}, **ended)  # no field left over from an earlier attempt
+    update_state(run_dir, final=final, exit_code=returncode, ended_at=now(),
+                 checkpoint=_saved_checkpoint(run_dir, spec), **fields)
+    event(run_dir, "exit", exit_code=returncode, attempt=attempt, final=final, **ended)
     if final:
         seal(run_dir)
     # A SLURM job requeues itself after the time-limit warning (USR1) or a trainer's own exit 75;
     # never after a TERM: that is scancel (the user's will) or a scheduler that requeues by itself.
     requeue = os.environ.get("SLURM_JOB_ID") and supervisor.signalled not in ("SIGTERM", "SIGINT", "SIGHUP")
-    return REQUEUE_EXIT if requeue and restart_allowed(status, spec, attempt) else 0
+    return REQUEUE_EXIT if requeue and restart_allowed(status, spec, attempt - base) else 0
+
+
+def _ended_before_start(run_dir: str, attempt: int, **why: str) -> int:
+    """Record an attempt whose trainer never started (final: a restart would fail the same way), sealed."""
+    event(run_dir, "exit", status="failed", exit_code=None, attempt=attempt, final=True, **why)
+    update_state(run_dir, status="failed", final=True, exit_code=None, attempt=attempt, started_at=now(),
+                 ended_at=now(), pid=os.getpid(), **why)
+    seal(run_dir)
+    return 0
 
 
 def _not_started(run_dir: str, log: Any, err: OSError, attempt: int) -> int:
-    """Record a trainer whose program could not be started (final: a restart would fail the same way)."""
+    """A trainer whose program could not be started: the reason goes into train.log too."""
     error = "%s: %s" % (type(err).__name__, err)
     log.write(("tether: the trainer could not start: %s\n" % error).encode())
     log.flush()
-    event(run_dir, "exit", status="failed", exit_code=None, attempt=attempt, final=True, start_error=error)
-    update_state(run_dir, status="failed", final=True, exit_code=None, attempt=attempt, start_error=error,
-                 started_at=now(), ended_at=now(), pid=os.getpid())
-    seal(run_dir)
-    return 0
+    return _ended_before_start(run_dir, attempt, start_error=error)
 
 
 def _launcher_failed(run_dir: str, err: Exception, supervisor: _Supervisor) -> int:
@@ -481,6 +492,11 @@ def main(argv: List[str]) -> int:
         result = objects.prune(args[0])
     elif command == "seal":
         result = seal(args[0])
+    elif command == "reopen":
+        result = resuming.reopen(args[0], _saved_checkpoint(args[0], read_json(run_file(args[0], "run.json")) or {}))
+    elif command == "checkpoint":
+        named = args[1] if len(args) > 1 else _saved_checkpoint(args[0], read_json(run_file(args[0], "run.json")) or {})
+        result = resuming.checkpoint_info(args[0], named)
     elif command == "submit":
         result = scheduler.submit(args[0], json.loads(sys.stdin.read()))
     elif command == "submit-array":

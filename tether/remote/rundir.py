@@ -21,21 +21,31 @@ from tether.remote.fileio import atomic_write_json, read_json, sha256_regular
 from tether.trainers.runtime import latest_checkpoint
 
 FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
+# Final is "ended, sealed, never relaunched by itself". Only `completed` stays so for ever: an explicit verb
+# reopens a stopped run (`doit run train`) or a failed/preempted one (`retry=1`) for a next attempt
+# (tether.remote.resume.reopen), which archives the sealed manifest first.
+FOR_GOOD = ("completed",)
 
 # Tether's own files at the top of a run dir. The sealed ones are always in the manifest; the private
 # ones never are (launch_env.json holds the backend's secrets, mode 0600). Config validation refuses
 # an artifact pattern that names any of them, and the seal refuses any match of a private one.
 SEALED_FILES = ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
 PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested",
-                 "PULL_MANIFEST.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out")
+                 "PULL_MANIFEST.json", "PULL_MANIFEST.attempt-*.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out")
 TETHER_FILES = SEALED_FILES + PRIVATE_FILES
 MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem
 MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
 NOT_REGULAR = "not a regular file (a folder, pipe, socket or device)"
 
 def is_final(state: Dict[str, Any]) -> bool:
-    """Whether the run has ended for good: it is never launched again, and its manifest is sealed."""
-    return bool(state.get("final")) or state.get("status") in FINAL
+    """Whether the run has ended: nothing relaunches it by itself, and its manifest is sealed.
+
+    The `final` flag decides when the launcher wrote one (a reopened run is final no more); a state
+    from before the flag existed is final by its status.
+    """
+    if "final" in state:
+        return bool(state["final"])
+    return state.get("status") in FINAL
 
 
 def decide_final(status: str, spec: Dict[str, Any], attempt: int) -> bool:

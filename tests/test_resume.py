@@ -266,7 +266,7 @@ def test_resume_from_starts_a_new_run_from_the_old_runs_checkpoint(project, tmp_
 
 @pytest.mark.parametrize("words, says", [
     (["resume_from=nosuch-run"], "resume_from=nosuch-run: no such run here or on backend local"),
-    (["resume_from=../x"], "resume_from=../x: invalid run id"),
+    (["resume_from=../x"], "resume_from: invalid run id '../x'"),
     (["retry=maybe"], "retry=maybe: use 1/0, yes/no"),
 ])
 def test_bad_resume_words_are_one_line_before_anything_launches(project, words, says):

@@ -70,11 +70,13 @@ def flag(variables: dict[str, str], name: str) -> bool:
 
 
 def _check_id_variable(name: str, word: str) -> None:
-    """A run id given as `name=word`, refused in one line naming the variable."""
+    """A run id given as `name=word`, refused in one line (naming the variable unless it is `run`)."""
     try:
         check_run_id(word)
     except RunError as err:
-        raise ConfigError(f"{name}={word}: {err}") from None
+        if name == "run":
+            raise
+        raise ConfigError(f"{name}: {err}") from None
 
 
 def open_backend(job: Job, state_dir: str) -> Backend:

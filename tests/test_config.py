@@ -652,3 +652,22 @@ def test_flag_refuses_any_other_word(word):
     assert caught.value.problems == [f"json={word}: use 1/0, yes/no, true/false or on/off"]
     with pytest.raises(ConfigError):
         check_variables({"json": word})
+
+
+def test_a_key_added_at_its_default_keeps_the_run_id(project):
+    """A trainer type that gains a setting in a later tether keeps its finished runs' ids (the
+    identity holds only the settings that differ from their defaults); a changed value still counts."""
+    import dataclasses
+
+    from tether.pipelines.session import Session
+    from tether.trainers.command import Config as Command
+
+    before = Session.open({}, cwd=str(project.root))
+    Later = dataclasses.make_dataclass("Later", [("added_later", int, dataclasses.field(default=3))], bases=(Command,),
+                                       frozen=True)
+    later = dataclasses.replace(before.job, trainer=Later(**dataclasses.asdict(before.job.trainer)))
+    same = Session(later, before.backend, before.state_dir, {})
+    assert same.job_hash == before.job_hash
+    changed = Session(dataclasses.replace(later, trainer=dataclasses.replace(later.trainer, added_later=4)),
+                      before.backend, before.state_dir, {})
+    assert changed.job_hash != before.job_hash

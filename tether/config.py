@@ -419,6 +419,19 @@ def default_path(cwd: str = ".") -> str:
     return own if os.path.exists(own) else os.path.join(cwd, "configs", "local.yaml")
 
 
+def changed_fields(obj: Any) -> dict:
+    """A section's fields that differ from their defaults, as plain data: what makes a run's identity,
+    so a key that a later tether adds (at its default) never gives finished runs new ids."""
+    changed = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required or f.name == "type" or value != default:  # a section's type: always who it is
+            changed[f.name] = asdict(value)
+    return changed
+
+
 def asdict(obj: Any) -> Any:
     """A dataclass (nested, with tuples) as plain JSON-able data."""
     if dataclasses.is_dataclass(obj):

@@ -23,7 +23,7 @@ from tether import config as config_mod
 from tether import sweep
 from tether.backends import BACKEND_TYPES
 from tether.backends.base import Backend
-from tether.config import Job, asdict, suggest
+from tether.config import Job, asdict, changed_fields, suggest
 from tether.errors import ConfigError, RunError
 from tether.hashing import Entry, HashCache, tree, tree_hash
 from tether.paths import RunPaths, check_run_id, mint_run_id, runs_dir
@@ -165,8 +165,9 @@ class Session:
 
     @functools.cached_property
     def job_hash(self) -> str:
-        parts = {"name": self.job.name, "backend": self.job.backend, **self.tree_hashes,
-                 "launch": self.launch_spec}
+        launch = dict(self.launch_spec, trainer=changed_fields(self.job.trainer),  # defaults are no identity
+                      restart=changed_fields(self.job.restart))
+        parts = {"name": self.job.name, "backend": self.job.backend, **self.tree_hashes, "launch": launch}
         if self.repro_of:
             parts["repro_of"] = self.repro_of  # a reproduction is a run of its own, never the original
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

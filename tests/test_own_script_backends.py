@@ -201,7 +201,9 @@ def test_slurm_sigterm_to_the_trainer_is_preempted_and_the_job_requeues_itself(p
     state = far_state(far, run_id)
     assert (state["status"], state["attempt"], state["restarts"]) == ("completed", 2, 1), state
     assert launches(far, run_id) == 2
-    (job,) = slurm_jobs(far, run_id)  # the same job ran again: it requeued itself, no second sbatch
+    jobs = slurm_jobs(far, run_id)
+    assert len(jobs) == 1, f"not requeued by the job itself: watch submitted it again ({jobs})"
+    job = jobs[0]  # the same job ran again: it requeued itself, no second sbatch
     fields = dict(w.partition("=")[::2] for w in cluster.run("scontrol", "show", "job", "-o", job).split())
     assert (fields["Restarts"], fields["JobState"]) == ("1", "COMPLETED"), fields
     assert 10 <= preempted_at < 60 and preempted_at % 5 == 0, preempted_at
@@ -241,7 +243,8 @@ def test_slurm_a_half_saved_folder_is_never_taken_and_the_requeued_job_resumes_b
     log = (far.remote_run(run_id) / "train.log").read_text()
     assert f"Resuming training from checkpoint {work}/outputs/checkpoint-6 at step 6" in log, log
     assert log.count("{'loss'") == 9 + 6  # steps 1-9, then 7-12
-    (job,) = slurm_jobs(far, run_id)  # requeued by the policy (on-failure), not submitted again
+    jobs = slurm_jobs(far, run_id)  # requeued by the policy (on-failure), not submitted again
+    assert len(jobs) == 1, f"not requeued by the job itself: watch submitted it again ({jobs})"
     assert_pulled_and_verified(far, run_id, "checkpoint-12")
     assert sha256(far.remote_run(run_id) / "work" / "outputs" / "model.safetensors") == uninterrupted(tmp_path)
 

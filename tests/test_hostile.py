@@ -1281,6 +1281,27 @@ def _signal_sessions(server, sig) -> None:
             pass
 
 
+def _frozen_mid_transfer(project, server, command: list[str], under_way, says: str) -> None:
+    """Start `doit COMMAND`, freeze every sshd session once `under_way()`, and require the stall's one
+    line within a bounded time (without the watchdog the command waits for ever)."""
+    running = _Background(project.start(*command))
+    try:
+        _poll(lambda: under_way() or running.proc.poll() is not None, 120, f"{command[-1]} under way")
+        assert running.proc.poll() is None, f"{command[-1]} ended before it could be frozen:\n{running.output()}"
+        _signal_sessions(server, signal.SIGSTOP)
+        frozen = time.monotonic()
+        code = running.finish(timeout=60)
+    finally:
+        _signal_sessions(server, signal.SIGCONT)
+        if running.proc.poll() is None:
+            running.kill()
+    took = time.monotonic() - frozen
+    said = running.text("stdout") + running.text("stderr")
+    assert code != 0, said
+    assert f"{says}; nothing is lost: run the same command again" in said, said
+    assert took < 20, f"the stall was reported {took:.0f}s after the freeze"
+
+
 @pytest.mark.parametrize("under_way, resumes", STALL_CASES)
 def test_a_stalled_transfer_fails_in_bounded_time_and_the_rerun_resumes(project, tmp_path, under_way, resumes):
     from sshd import SSHServer
@@ -1296,23 +1317,8 @@ def test_a_stalled_transfer_fails_in_bounded_time_and_the_rerun_resumes(project,
         project.doit("run", "launch", check=True)
         run_id = project.run_ids()[-1]
         _poll(lambda: (far / "runs" / run_id / "PULL_MANIFEST.json").exists(), 120, "the seal", interval=0.05)
-        pulling = _Background(project.start("pull"))
-        try:
-            _poll(lambda: under_way(project, far) or pulling.proc.poll() is not None, 120, "the pull under way")
-            assert pulling.proc.poll() is None, f"the pull ended before it could be frozen:\n{pulling.output()}"
-            _signal_sessions(server, signal.SIGSTOP)
-            frozen = time.monotonic()
-            code = pulling.finish(timeout=60)  # bounded: without the watchdog it waits for ever
-        finally:
-            _signal_sessions(server, signal.SIGCONT)
-            if pulling.proc.poll() is None:
-                pulling.kill()
-        took = time.monotonic() - frozen
-        said = pulling.text("stdout") + pulling.text("stderr")
-        assert code != 0, said
-        assert "the copy from root@127.0.0.1 sent nothing for 2 s; nothing is lost: run the same command again" \
-            in said, said
-        assert took < 20, f"the stall was reported {took:.0f}s after the freeze"
+        _frozen_mid_transfer(project, server, ["pull"], lambda: under_way(project, far),
+                             "the copy from root@127.0.0.1 sent nothing for 2 s")
         part = _pulled(project, "artifacts/big.bin.part")
         inode = part.stat().st_ino if resumes else None
         if resumes:
@@ -1343,22 +1349,7 @@ def test_a_stalled_push_fails_in_bounded_time_and_the_rerun_completes(project, t
                                       backend=json.dumps(server.backend_config(far, stall_timeout_s=2))))
     uploading = lambda: any(p.stat().st_size > 0 for p in far.glob("objects/*/*.tmp-*"))  # noqa: E731
     try:
-        pushing = _Background(project.start("run", "push"))
-        try:
-            _poll(lambda: uploading() or pushing.proc.poll() is not None, 120, "the upload under way")
-            assert pushing.proc.poll() is None, f"the push ended before it could be frozen:\n{pushing.output()}"
-            _signal_sessions(server, signal.SIGSTOP)
-            frozen = time.monotonic()
-            code = pushing.finish(timeout=60)  # bounded: without the watchdog it waits for ever
-        finally:
-            _signal_sessions(server, signal.SIGCONT)
-            if pushing.proc.poll() is None:
-                pushing.kill()
-        said = pushing.text("stdout") + pushing.text("stderr")
-        assert code != 0, said
-        assert "the copy to root@127.0.0.1 moved nothing for 2 s; nothing is lost: run the same command again" \
-            in said, said
-        assert time.monotonic() - frozen < 20
+        _frozen_mid_transfer(project, server, ["run", "push"], uploading, "the copy to root@127.0.0.1 moved nothing for 2 s")
         project.doit("run", "push", check=True, timeout=300)  # the rerun uploads it whole, then renames
         sha = hashlib.sha256(big.read_bytes()).hexdigest()
         stored = far / "objects" / sha[:2] / sha

@@ -162,6 +162,34 @@ def test_doit_prune_says_what_it_left_alone(project):
     assert _tree(far / "objects") == before
 
 
+UNREADABLE_TREES = [
+    pytest.param(b"null", id="null"),
+    pytest.param(b"{}", id="no file list"),
+    pytest.param(b'{"files": [', id="cut short"),
+    pytest.param(b'{"files": [{"path": "x"}]}', id="an entry without its hash"),
+]
+
+
+@pytest.mark.parametrize("tree", UNREADABLE_TREES)
+def test_prune_removes_nothing_while_a_runs_tree_json_cannot_be_read(tmp_path, tree):
+    import hashlib
+
+    from tether.remote import objects, owner
+
+    far = tmp_path / "far"
+    owner.claim(str(far))
+    content = b"the only copy of run b's data"
+    sha = hashlib.sha256(content).hexdigest()
+    obj = far / "objects" / sha[:2] / sha
+    _plant(far, {f"objects/{sha[:2]}/{sha}": content, "runs/b/tree.json": tree})
+    os.utime(obj, (0, 0))  # old enough to be pruned, were it unreferenced
+    with pytest.raises(SystemExit) as refused:
+        objects.prune(str(far))
+    assert "runs/b/tree.json cannot be read" in str(refused.value) and "prune removed nothing" in str(refused.value)
+    assert obj.read_bytes() == content
+    (far / "runs" / "b" / "tree.json").write_text(json.dumps({"files": []}))  # readable: now it is unreferenced
+    assert objects.prune(str(far))["removed"] == 1 and not obj.exists()
+
 # What a remote_dir may hold when tether is pointed at it, and may adopt (writing its marker).
 ADOPTED_FOLDERS = [
     pytest.param(None, "created", id="no folder yet"),

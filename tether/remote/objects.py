@@ -153,11 +153,22 @@ def prune(remote_dir: str) -> Dict[str, Any]:
 
 
 def _referenced(runs: str) -> set:
-    """Every object hash some run's tree.json lists."""
+    """Every object hash some run's tree.json lists; a tree.json that cannot be read stops the prune.
+
+    A run without tree.json references nothing yet (its push is under way: the age rule keeps its
+    objects); one whose tree.json is unreadable might reference anything, so nothing is removed.
+    """
     wanted = set()
     for run_id in os.listdir(runs) if os.path.isdir(runs) else ():
-        tree = read_json(os.path.join(runs, run_id, "tree.json")) or {"files": []}
-        wanted.update(entry["sha256"] for entry in tree["files"])
+        path = os.path.join(runs, run_id, "tree.json")
+        if not os.path.lexists(path):
+            continue
+        try:
+            tree = read_json(path)
+            wanted.update(entry["sha256"] for entry in tree["files"])
+        except (ValueError, TypeError, KeyError, OSError) as err:
+            raise SystemExit("%s cannot be read (%s): prune removed nothing; restore the file or "
+                             "remove that run (doit run down)" % (path, type(err).__name__))
     return wanted
 
 

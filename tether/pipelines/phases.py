@@ -129,11 +129,9 @@ def _upload_objects(s: Session, fs) -> tuple[list[str], int]:
                 raise BackendError(f"the far side refused {stored['bad'][:3]}: the files changed while being "
                                    f"pushed? run the push again")
             progress.update(sum(unique[h].size for h in group))
-        watchdog = s.backend.watchdog()  # large files report every block, so a frozen peer is seen
         for sha in missing:
             if unique[sha].size > transfer.SMALL:
-                with watchdog.watching(upload=True):
-                    transfer.put_atomic(fs, unique[sha].local, f"objects/{sha[:2]}/{sha}", watchdog.progress(progress))
+                transfer.put_atomic(fs, unique[sha].local, f"objects/{sha[:2]}/{sha}", progress)
     return missing, total
 
 

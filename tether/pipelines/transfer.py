@@ -43,7 +43,7 @@ class Watchdog:
         self._last = time.monotonic()
 
     @contextlib.contextmanager
-    def watching(self, upload: bool = False) -> Iterator[None]:
+    def watching(self) -> Iterator[None]:
         """Guard the network calls inside; a stall turns whatever they raise into one clear error."""
         if not self.timeout_s or self.armed:
             yield
@@ -57,8 +57,7 @@ class Watchdog:
             yield
         except Exception as err:
             if self._fired:
-                what = f"the copy to {self.where} moved" if upload else f"the copy from {self.where} sent"
-                raise BackendError(f"{what} nothing for {self.timeout_s:g} s; "
+                raise BackendError(f"the copy from {self.where} sent nothing for {self.timeout_s:g} s; "
                                    f"nothing is lost: run the same command again") from err
             raise
         finally:

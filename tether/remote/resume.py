@@ -19,9 +19,6 @@ from tether.remote.fileio import read_json, sha256_regular
 from tether.remote.rundir import FOR_GOOD, event, is_alive, is_final, now, run_file, update_state
 from tether.trainers.runtime import CHECKPOINT_RE
 
-REOPENABLE = ("stopped", "failed", "preempted")
-
-
 def checkpoint_step(run_dir: str, relpath: Optional[str]) -> Optional[int]:
     """The training step a checkpoint holds: from the runtime's name, its `checkpoint` event, or the
     last step logged before the file was written (a script's own checkpoint); None when unknown."""

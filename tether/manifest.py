@@ -161,7 +161,7 @@ def _problem(run: RunPaths, path: str, entry: dict, present: bool, notes: dict) 
     if not present:
         return "missing"
     local = run.pulled(path)
-    sha, size = sha256_file(local)
+    sha, size = hashed(local)
     if size != entry["bytes"] or sha != entry["sha256"]:
         return (f"{size} bytes, sha256 {sha[:12]}; the manifest says {entry['bytes']} bytes, "
                 f"sha256 {entry['sha256'][:12]}")
@@ -179,6 +179,24 @@ def _advice(run: RunPaths, refetch: int, extras: list[str]) -> str:
         steps.append(f"`rm {paths}` removes what the manifest does not list (pull never deletes a file it "
                      f"did not write), then `doit run verify run={run.run_id}`")
     return "; ".join(steps)
+
+
+_HASHED: dict[str, tuple[list[int], str]] = {}  # this process's own hashes of the files it just wrote
+
+
+def remember(path: str, sha256: str) -> None:
+    """The pull hashed these bytes as it wrote them: verify in the same process need not read them again."""
+    _HASHED[os.path.abspath(path)] = (stamp(os.stat(path)), sha256)
+
+
+def hashed(path: str) -> tuple[str, int]:
+    """(SHA-256, size) of a file: read again unless this process wrote and hashed it and nothing
+    changed it since (size, mtime, inode and ctime all as they were then)."""
+    known = _HASHED.get(os.path.abspath(path))
+    stat = os.stat(path)
+    if known and known[0] == stamp(stat):
+        return known[1], stat.st_size
+    return sha256_file(path)
 
 
 def stamp(stat: os.stat_result) -> list[int]:

@@ -8,71 +8,19 @@ behaves the same and is tested by the same contract suite.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import posixpath
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import tether
-from tether.errors import BackendError, RemoteCommandError
+from tether.backends.channel import ChannelLost
+from tether.backends.farside import FarSide
+from tether.backends.shipping import launcher_version
+from tether.errors import BackendError
 from tether.paths import RunPaths
-from tether.remote import owner
-from tether.remote.fileio import tar_bytes
+from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcome
 
 if TYPE_CHECKING:
     from tether.pipelines.transfer import Watchdog
-
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
-SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
-    "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
-    "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py",
-    "tether/remote/mapped.py",
-    "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
-    "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
-    "tether/remote/owner.py", "tether/remote/progress.py", "tether/remote/workdir.py",
-    "tether/remote/endings.py", "tether/remote/resume.py",
-)
-
-
-OWNER = "tether/remote/owner.py"  # its source heads the install script: see UNPACK
-UNPACK = """
-remote_dir, version = sys.argv[1], sys.argv[2]
-claim(remote_dir, version)  # before anything is written there: tether's own folder, or none
-import shutil, tarfile, tempfile
-parent = os.path.join(remote_dir, "tether")
-os.makedirs(parent, mode=0o700, exist_ok=True)
-tmp = tempfile.mkdtemp(prefix="." + version + ".", dir=parent)
-tarfile.open(fileobj=sys.stdin.buffer, mode="r|").extractall(tmp)
-open(os.path.join(tmp, "COMPLETE"), "w").write(version)
-try:
-    os.rename(tmp, os.path.join(parent, version))
-except OSError:
-    shutil.rmtree(tmp)  # another invocation installed the same version first
-"""
-
-
-def unpack_script() -> str:
-    """The install script: owner.py's source (the ownership check, before the launcher is there), then UNPACK."""
-    with open(os.path.join(PACKAGE_ROOT, OWNER)) as f:
-        return f.read() + "\nimport sys\n" + UNPACK
-
-
-def raise_refusal(err: RemoteCommandError) -> None:
-    """Raise the far side's one-line refusal of a remote_dir tether does not own, if that is why `err` happened."""
-    lines = [line for line in err.stderr_tail.splitlines() if owner.FIX in line and line.startswith("remote_dir ")]
-    if lines:
-        raise BackendError(lines[-1]) from None
-
-
-def launcher_version() -> str:
-    """A short hash of the shipped files: a changed launcher gets a new folder on the far side."""
-    digest = hashlib.sha256()
-    for rel in SHIPPED:
-        with open(os.path.join(PACKAGE_ROOT, rel), "rb") as f:
-            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
-    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -99,17 +47,19 @@ class Report:
 
 
 class Backend:
-    """One far side. Public methods wrap the transport; errors leave as tether's own."""
+    """One far side. Public methods go through its serve process; errors leave as tether's own."""
 
     type = ""
     min_free_mb = 500  # below this a run's checkpoints may not fit
     poll_interval_s = 2.0  # watch's slowest poll while nothing happens
     exit_grace_s = 0.0  # how long a vanished run may take to show its final state (shared storage)
+    open_timeout_s = 120.0  # the far side's first word: its Python started (and the package installed)
 
     def __init__(self, name: str, config: Any, state_dir: str) -> None:
         self.name, self.config, self.state_dir = name, config, state_dir
         self.version = launcher_version()
-        self._installed = False
+        self.far = FarSide(self)
+        self._install_reported = False
 
     # ------------------------------------------------------------ the transport (per type)
 
@@ -123,116 +73,98 @@ class Backend:
 
     @property
     def base_python(self) -> str:
-        """The interpreter that exists before `prepare` (which may build a venv from it)."""
+        """The interpreter that exists before `prepare` (which may build a venv from it): serve runs on it."""
         return self.python
 
-    def filesystem(self) -> Any:
-        """An fsspec filesystem whose root is remote_dir."""
+    @property
+    def where(self) -> str:
+        """The far side in a message: user@host, or this machine."""
+        return "this machine"
+
+    def serve_argv(self, script: str, version: str) -> list[str]:
+        """The command that starts the far side's serve process (`python -c SCRIPT REMOTE_DIR VERSION`)."""
         raise NotImplementedError
 
-    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
-        """Run `argv` on the far side; its stdout, or RemoteCommandError on a non-zero exit."""
+    def explain_lost(self, err: ChannelLost) -> BackendError:
+        """Why the serve process never said hello, as one line naming the fix."""
+        return BackendError(f"the far side's Python ({self.base_python}) did not start: {err}: "
+                            f"set python: in the backend's config")
+
+    def missing_program_hint(self, program: str) -> str:
+        return "set python: in the backend's config"
+
+    def filesystem(self) -> Any:
+        """An fsspec filesystem whose root is remote_dir (for what the protocol does not carry)."""
         raise NotImplementedError
 
     def reconnect(self) -> None:
-        """Drop the connection so that the next call opens a fresh one (a no-op where there is none)."""
+        """Drop the channel so that the next call opens a fresh one."""
+        self.far.reconnect()
+
+    def close(self) -> None:
+        self.far.close()
 
     def is_transport_error(self, err: BaseException) -> bool:
         """Whether `err` says the far side is unreachable (worth a retry), not that something is wrong."""
         return isinstance(err, BackendError)
 
-    # ------------------------------------------------------------ built on the launcher
+    # ------------------------------------------------------------ built on the protocol
 
     @property
     def version_dir(self) -> str:
         return posixpath.join(self.remote_dir, "tether", self.version)
 
-    def launcher_bytes(self, command: str, *args: str, stdin: bytes = b"") -> bytes:
-        """Run one launcher command on the far side; its raw stdout.
-
-        The launcher is stdlib only, so it starts with -S (no site-packages scan: a third off
-        every far-side command here); `check` alone looks for the trainer's packages.
-        """
-        flags = [] if command == "check" else ["-S"]
-        launcher = f"{self.version_dir}/tether/remote/launcher.py"
-        return self._execute([self.python, *flags, launcher, command, *args], stdin)
-
-    def launcher(self, command: str, *args: str, stdin: bytes = b"") -> Any:
-        """Run one launcher command on the far side and decode its JSON answer.
-
-        The first call of an invocation makes sure this version of the launcher is there (one
-        stat), so `status` or `stop` work from a newer tether than the one that launched the run.
-        """
-        if not self._installed:
-            self.install_launcher()
-        out = self.launcher_bytes(command, *args, stdin=stdin).decode(errors="replace")
-        try:
-            return json.loads(out.strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError):
-            raise BackendError(f"the launcher's {command!r} answered {out[-300:]!r}, not JSON: "
-                               f"run `doit check` to see what the far side lacks")
-
     def install_launcher(self) -> bool:
-        """Copy the launcher to remote_dir/tether/<version>/ unless it is there; True if copied.
+        """Make sure this tether's far-side package is in remote_dir/tether/<version>/; True if copied now.
 
-        One command: a tar on stdin, unpacked by the far side's Python into a temporary folder
-        that is renamed into place, so a half-copied launcher never has the final name. It first
-        claims remote_dir (tether/remote/owner.py): a folder tether did not create is refused.
+        The serve process's bootstrap does it on the channel's first open: it claims remote_dir
+        (tether/remote/owner.py) and unpacks the package into a temporary folder that is renamed
+        into place, so a half-copied package never has the final name.
         """
-        try:
-            self.filesystem().info(f"tether/{self.version}/COMPLETE")
-            self._installed = True
-            return False
-        except FileNotFoundError:
-            pass
-        archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in SHIPPED])
-        try:
-            self._execute([self.base_python, "-c", unpack_script(), self.remote_dir, self.version], archive)
-        except RemoteCommandError as err:
-            raise_refusal(err)
-            raise
-        self._installed = True
-        return True
+        self.far.channel()
+        copied = self.far.installed_now and not self._install_reported
+        self._install_reported = True
+        return copied
 
     def settings(self) -> dict:
         """What the far side needs to know for a check or a launch (env, GPU choice); no secrets in argv."""
-        return {"remote_dir": self.remote_dir, "gpus": "none", "env": {}}
+        return {"remote_dir": self.remote_dir, "gpus": "none", "env": {}, "python": self.python}
 
     def prepare(self) -> None:
         """Make the far side ready before its preflight (the ssh backend builds its venv here)."""
 
     def check(self, require: tuple[str, ...] = ()) -> Report:
-        """Preflight: can a run start here? (The launcher must be installed first.)"""
+        """Preflight: can a run start here?"""
         report = Report(self.name)
         settings = dict(self.settings(), require=list(require))
         try:
-            found = self.launcher("check", stdin=json.dumps(settings).encode())
+            found = self.far.check(settings)
         except BackendError as err:
             report.add("python", False, f"{self.python}: {err}")
             return report
-        report.add("python", found["python_ok"], f"{self.python} is Python {found['python']} ({found['executable']})"
-                   + ("" if found["python_ok"] else " (3.8 or newer needed)"))
-        report.add("writable", found["writable"], self.remote_dir)
-        report.add("disk", found["free_mb"] >= self.min_free_mb,
-                   f"{found['free_mb']} MB free under {self.remote_dir} (want {self.min_free_mb})")
-        report.add("inodes", found["free_inodes"] >= 1000, f"{found['free_inodes']} free inodes")
+        report.add("python", found.python_ok, f"{self.python} is Python {found.python} ({found.executable})"
+                   + ("" if found.python_ok else " (3.8 or newer needed)"))
+        report.add("writable", found.writable, self.remote_dir)
+        report.add("disk", found.free_mb >= self.min_free_mb,
+                   f"{found.free_mb} MB free under {self.remote_dir} (want {self.min_free_mb})")
+        report.add("inodes", found.free_inodes >= 1000, f"{found.free_inodes} free inodes")
         self._report(report, found, settings, require)
         return report
 
-    def _report(self, report: Report, found: dict, settings: dict, require: tuple[str, ...]) -> None:
+    def _report(self, report: Report, found: Preflight, settings: dict, require: tuple[str, ...]) -> None:
         """The type-specific lines of a preflight (here: the trainer's modules, the GPUs)."""
-        missing = found["missing_modules"]
+        missing = found.missing_modules
         report.add("modules", not missing, f"missing: {', '.join(missing)} (the trainer imports them)"
                    if missing else f"{', '.join(require) or 'none needed'}")
         _gpu_items(report, found, settings)
 
-    def launch(self, run: RunPaths) -> dict:
+    def launch(self, run: RunPaths) -> LaunchResult:
         """Start the run detached; never a second copy of a live or finished run."""
-        return self.launcher("start", run.remote_abs, stdin=json.dumps(self.settings()).encode())
+        return self.far.start(run.remote_abs, self.settings())
 
     launches_arrays = False  # True: a sweep's runs are launched together by launch_many
 
-    def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, dict]:
+    def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, LaunchResult]:
         """Launch several runs (a sweep's points); a backend with job arrays submits them as one."""
         return {run.run_id: self.launch(run) for run in runs}
 
@@ -240,59 +172,57 @@ class Backend:
         """'' to fetch a manifest file, else why it stays on the far side."""
         return ""
 
+    @property
+    def stall_timeout_s(self) -> float | None:
+        """How long a transfer may move no byte before it is ended (None: never; a far side here cannot stall)."""
+        return None
+
     def watchdog(self) -> "Watchdog":
-        """What ends this backend's stalled transfers (a backend over a network sets stall_timeout_s)."""
+        """What ends this backend's stalled SFTP transfers (a backend over a network sets stall_timeout_s)."""
         from tether.pipelines.transfer import UNWATCHED
 
         return UNWATCHED
 
     def prune(self) -> dict:
         """Remove far-side objects that no run references (only ever in a remote_dir tether owns)."""
-        try:
-            return self.launcher("prune", self.remote_dir)
-        except RemoteCommandError as err:
-            raise_refusal(err)
-            raise
+        return self.far.prune(self.remote_dir)
 
-    def states(self, runs: list[RunPaths]) -> dict[str, dict]:
+    def states(self, runs: list[RunPaths]) -> dict[str, Snapshot]:
         """One snapshot per run, in one far-side round trip."""
-        found = self.launcher("probe", *[r.remote_abs for r in runs])
+        found = self.far.probe([r.remote_abs for r in runs])
         return {r.run_id: found[r.remote_abs] for r in runs}
 
-    def state(self, run: RunPaths) -> dict:
+    def state(self, run: RunPaths) -> Snapshot:
         return self.states([run])[run.run_id]
 
-    def stop(self, run: RunPaths, grace_s: float) -> dict:
+    def stop(self, run: RunPaths, grace_s: float) -> StopOutcome:
         """SIGTERM, then SIGKILL after grace_s; the outcome says honestly what happened."""
-        return self.launcher("stop", run.remote_abs, str(grace_s))
+        return self.far.stop(run.remote_abs, grace_s)
 
     def teardown(self, run: RunPaths) -> str:
         """Remove the run dir on the far side (the object store stays); idempotent; never a live run."""
-        fs = self.filesystem()
-        try:
-            fs.info(run.remote)
-        except FileNotFoundError:
+        outcome = self.far.remove(run.remote_abs)
+        if outcome == "absent":
             return "already removed: no action needed"
-        if self.state(run)["alive"]:
+        if outcome == "alive":
             raise BackendError(f"run {run.run_id} is still running: `doit stop run={run.run_id}` first")
-        fs.rm(run.remote, recursive=True)
         return f"removed {run.remote_abs}"
 
 
-def _gpu_items(report: Report, found: dict, settings: dict) -> None:
+def _gpu_items(report: Report, found: Preflight, settings: dict) -> None:
     """The GPU lines of a preflight: what is there, which one a run would get, torch's kernels per GPU."""
     if settings.get("gpus", "none") == "none":
         return
-    if "gpu_error" in found:
-        report.add("gpu", False, found["gpu_error"])
+    if found.gpu_error is not None:
+        report.add("gpu", False, found.gpu_error)
         return
-    if not found.get("gpus"):
-        why = found.get("no_gpu") or "nvidia-smi absent or empty"
+    if not found.gpus:
+        why = found.no_gpu or "nvidia-smi absent or empty"
         report.add("gpu", True, f"no usable GPU ({why}): the trainer runs on the CPU")
         return
-    listed = "; ".join(_gpu_text(g) for g in found["gpus"])
-    report.add("gpu", True, f"{listed}; a run gets CUDA_VISIBLE_DEVICES={found['gpu_env'].get('CUDA_VISIBLE_DEVICES')}")
-    torch = found.get("torch")
+    listed = "; ".join(_gpu_text(g) for g in found.gpus)
+    report.add("gpu", True, f"{listed}; a run gets CUDA_VISIBLE_DEVICES={found.gpu_env.get('CUDA_VISIBLE_DEVICES')}")
+    torch = found.torch
     if torch and torch.get("torch") and "gpus" in torch:
         _torch_item(report, torch)
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from tether.backends.base import Backend as BaseBackend
-from tether.errors import BackendError, RemoteCommandError
 from tether.remote import owner
 
 
@@ -60,11 +58,5 @@ class Backend(BaseBackend):
 
         return size_policy(path, size, self.config.max_artifact_mb)
 
-    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
-        try:
-            done = subprocess.run(argv, input=stdin, capture_output=True, timeout=600)
-        except FileNotFoundError as err:
-            raise BackendError(f"{argv[0]}: {err.strerror}: set python: in the backend's config")
-        if done.returncode != 0:
-            raise RemoteCommandError(argv, done.returncode, done.stderr.decode(errors="replace"))
-        return done.stdout
+    def serve_argv(self, script: str, version: str) -> list[str]:
+        return [self.python, "-c", script, self.remote_dir, version]

@@ -8,7 +8,6 @@ attempt checkpoints, and the job requeues itself while the restart policy allows
 from __future__ import annotations
 
 import difflib
-import json
 import posixpath
 import re
 import shlex
@@ -18,6 +17,7 @@ from typing import Any, Optional
 from tether.backends import ssh
 from tether.errors import BackendError
 from tether.paths import RunPaths
+from tether.remote.protocol import ERROR, STARTED, LaunchResult, StopOutcome
 from tether.remote.scheduler import RUNS_LINE
 
 # The single source of truth for the keys that become #SBATCH lines: config key -> sbatch flag.
@@ -310,7 +310,7 @@ class Backend(ssh.Backend):
                 "partition": self.config.partition}
 
     def _report(self, report: Any, found: dict, settings: dict, require: tuple[str, ...]) -> None:
-        slurm = found.get("slurm", {})
+        slurm = found.slurm or {}
         missing = [c for c in ("sbatch", "squeue", "scancel") if not slurm.get("commands", {}).get(c)]
         report.add("slurm commands", not missing, f"missing on the login node: {', '.join(missing)}" if missing
                    else "sbatch, squeue, scancel found")
@@ -325,28 +325,27 @@ class Backend(ssh.Backend):
         flags = ["--parsable", f"--signal=B:USR1@{self.config.signal_grace_s}", "--requeue",
                  f"--comment=tether:{run.run_id}"]
         settings = dict(self.settings(), script=script, flags=flags)
-        result = self.launcher("submit", run.remote_abs, stdin=json.dumps(settings).encode())
-        if result["outcome"] == "error":
-            raise BackendError(f"{run.run_id}: {result['error']}")
-        if result["outcome"] == "started":
-            print(f"{run.run_id}: SLURM job {result['job_id']} (sbatch {' '.join(result['flags'] or [])})")
-        return dict(result, state=result.get("state") or {})
+        result = self.far.submit(run.remote_abs, settings)
+        if result.outcome == ERROR:
+            raise BackendError(f"{run.run_id}: {result.error}")
+        if result.outcome == STARTED:
+            print(f"{run.run_id}: SLURM job {result.job_id} (sbatch {' '.join(result.flags or [])})")
+        return result
 
-    def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, dict]:
+    def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, LaunchResult]:
         """One job array (`--array=0-K%array_limit`) for the runs that need a job; the others are adopted."""
         script = array_script(self.config, name, self.remote_dir, f"{self.version_dir}/tether/remote/launcher.py",
                               self.job_python)
         flags = ["--parsable", f"--signal=B:USR1@{self.config.signal_grace_s}", "--requeue", f"--comment=tether:{name}"]
         settings = dict(self.settings(), script=script, flags=flags, runs=[r.remote_abs for r in runs],
                         array_limit=self.config.array_limit)
-        result = self.launcher("submit-array", self.remote_dir, stdin=json.dumps(settings).encode())
+        result = self.far.submit_array(self.remote_dir, settings)
         if result.get("outcome") == "error":
             raise BackendError(f"{name}: {result['error']}")
         if result.get("array_job"):
             print(f"{name}: SLURM job array {result['array_job']} for {len(result['submitted'])} run(s) "
                   f"(sbatch {' '.join(result['flags'])})")
-        return {r.run_id: dict(result["runs"][r.remote_abs], state=result["runs"][r.remote_abs].get("state") or {})
-                for r in runs}
+        return {r.run_id: LaunchResult.of(result["runs"][r.remote_abs]) for r in runs}
 
-    def stop(self, run: RunPaths, grace_s: float) -> dict:
-        return self.launcher("cancel", run.remote_abs, str(grace_s))
+    def stop(self, run: RunPaths, grace_s: float) -> StopOutcome:
+        return self.far.cancel(run.remote_abs, grace_s)

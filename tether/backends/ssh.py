@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -100,10 +101,55 @@ class Backend(BaseBackend):
         self._fs: Any = None
         self._pid = os.getpid()  # a connection belongs to the process that opened it
         self._remote_dir: Optional[str] = None
-        self.commands = 0  # far-side commands this invocation (for --trace style reports)
         self._watchdog: Any = None
 
-    # ------------------------------------------------------------ the connection
+    # ------------------------------------------------------------ the serve channel (OpenSSH)
+
+    @property
+    def where(self) -> str:
+        return f"{self.config.user + '@' if self.config.user else ''}{self.config.host}"
+
+    @property
+    def open_timeout_s(self) -> float:
+        return self.config.connect_timeout_s + 120
+
+    @property
+    def stall_timeout_s(self) -> Optional[float]:
+        return self.config.stall_timeout_s
+
+    @property
+    def commands(self) -> int:
+        """Far-side requests this invocation (a poll of a whole sweep is one)."""
+        return self.far.requests
+
+    def serve_argv(self, script: str, version: str) -> list[str]:
+        """`ssh HOST python -c SCRIPT REMOTE_DIR VERSION`: one connection, one Python, every request."""
+        words = [self.base_python, "-c", script, self.config.remote_dir, version]
+        return ssh_argv(self.config) + [" ".join(shlex.quote(w) for w in words)]
+
+    def explain_lost(self, err: Any) -> BackendError:
+        return ssh_refusal(self.config, err.stderr, err.code, self.base_python)
+
+    def missing_program_hint(self, program: str) -> str:
+        return "install OpenSSH's client (the ssh command), which tether runs to reach the far side"
+
+    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
+        """Run one command over its own ssh connection (building a venv); its stdout."""
+        command = " ".join(shlex.quote(a) for a in argv)
+        if os.environ.get("TETHER_TRACE"):
+            print(f"[ssh {self.config.host}] {command}", file=sys.stderr)
+        try:
+            done = subprocess.run(ssh_argv(self.config) + [command], input=stdin, capture_output=True,
+                                  timeout=COMMAND_TIMEOUT_S)
+        except FileNotFoundError:
+            raise BackendError("ssh: not found: " + self.missing_program_hint("ssh")) from None
+        if done.returncode == 255:
+            raise ssh_refusal(self.config, done.stderr.decode(errors="replace"), 255, argv[0])
+        if done.returncode != 0:
+            raise RemoteCommandError(argv, done.returncode, done.stderr.decode(errors="replace"))
+        return done.stdout
+
+    # ------------------------------------------------------------ the SFTP filesystem (asyncssh)
 
     def _connect_args(self) -> dict:
         cfg = self.config
@@ -137,15 +183,15 @@ class Backend(BaseBackend):
         return self._fs
 
     def reconnect(self) -> None:
+        super().reconnect()
         self._fs = None
 
     def watchdog(self) -> "Watchdog":
-        """The stall guard of this connection's transfers (stall_timeout_s)."""
+        """The stall guard of this connection's SFTP transfers (stall_timeout_s)."""
         from tether.pipelines.transfer import Watchdog
 
         if self._watchdog is None:
-            where = f"{self.config.user + '@' if self.config.user else ''}{self.config.host}"
-            self._watchdog = Watchdog(self.config.stall_timeout_s, self._abort, where)
+            self._watchdog = Watchdog(self.config.stall_timeout_s, self._abort, self.where)
         return self._watchdog
 
     def _abort(self) -> None:
@@ -159,20 +205,18 @@ class Backend(BaseBackend):
 
     @property
     def remote_dir(self) -> str:
-        """remote_dir made absolute on the far side (and created there, mode 0700), once per machine."""
+        """remote_dir made absolute on the far side (the serve process says where), once per machine."""
         if self._remote_dir is None:
             wanted = self.config.remote_dir
             cache = os.path.join(self.state_dir, "remote-dirs.json")
             key = f"{self.config.user}@{self.config.host}:{self.config.port}:{wanted}"
             known = read_json(cache) or {}
             if wanted.startswith("/"):
-                self._remote_dir = self._make_private(wanted)  # SFTP only: no command needed
+                self._remote_dir = wanted
             elif key in known:
-                self._remote_dir = self._make_private(known[key])
+                self._remote_dir = known[key]
             else:
-                relative = wanted[2:] if wanted.startswith("~/") else wanted
-                script = 'cd && mkdir -p -m 700 -- "$1" && cd -- "$1" && pwd -P'
-                self._remote_dir = self._execute(["sh", "-c", script, "sh", relative]).decode().strip()
+                self._remote_dir = self.far.root()  # the bootstrap made it (mode 0700) and resolved it
                 atomic_write_json(cache, dict(known, **{key: self._remote_dir}))
         return self._remote_dir
 
@@ -186,44 +230,10 @@ class Backend(BaseBackend):
             return f"{self.remote_dir}/venv/{self._venv_hash()}/bin/python"
         return self.config.python
 
-    def _make_private(self, path: str) -> str:
-        """Create `path` on the far side with mode 0700 unless it exists; return it."""
-        try:
-            self.connect().info(path)
-        except FileNotFoundError:  # first use on this machine: one command (SFTP's mkdir ignores the mode)
-            self._execute(["mkdir", "-p", "-m", "700", "--", path])
-        return path
-
     def filesystem(self) -> Any:
         from fsspec.implementations.dirfs import DirFileSystem
 
         return DirFileSystem(path=self.remote_dir, fs=self.connect())
-
-    def _execute(self, argv: list[str], stdin: bytes = b"") -> bytes:
-        from fsspec.asyn import sync
-
-        fs = self.connect()
-        command = " ".join(shlex.quote(a) for a in argv)
-        if os.environ.get("TETHER_TRACE"):
-            print(f"[ssh {self.config.host}] {command}", file=sys.stderr)
-        self.commands += 1
-        try:
-            import asyncssh
-
-            if self._watchdog is not None and self._watchdog.armed:  # a pull's batch: its bytes are progress
-                status, stdout, stderr = sync(fs.loop, _streamed, fs.client, command, stdin, self._watchdog.touch)
-            else:
-                feed = {"input": stdin} if stdin else {"stdin": asyncssh.DEVNULL}  # never a stdin left open
-                done = sync(fs.loop, fs.client.run, command, encoding=None, check=False,
-                            timeout=COMMAND_TIMEOUT_S, **feed)
-                status, stdout, stderr = done.exit_status, done.stdout, done.stderr
-        except Exception as err:
-            self.reconnect()  # the next command opens a fresh connection
-            raise explain(err, self.config, 0.0) from err
-        if status != 0:
-            code = status if status is not None else -1  # None: the channel closed without an exit status
-            raise RemoteCommandError(argv, code, (stderr or b"").decode(errors="replace"))
-        return stdout or b""
 
     # ------------------------------------------------------------ what ssh adds
 
@@ -236,7 +246,7 @@ class Backend(BaseBackend):
         return env
 
     def settings(self) -> dict:
-        return {"remote_dir": self.remote_dir, "gpus": self.config.gpus,
+        return {"remote_dir": self.remote_dir, "gpus": self.config.gpus, "python": self.python,
                 "min_free_gpu_mb": self.config.min_free_gpu_mb, "env": self.trainer_env()}
 
     def _venv_hash(self) -> str:
@@ -248,15 +258,14 @@ class Backend(BaseBackend):
         if not getattr(self.config, "packages", ()):
             return
         venv = f"{self.remote_dir}/venv/{self._venv_hash()}"
-        fs = self.filesystem()
         try:
-            fs.info(f"venv/{self._venv_hash()}/READY")
+            self.far.cat(f"venv/{self._venv_hash()}/READY")
             return
         except FileNotFoundError:
             pass
         self._execute([self.config.python, "-m", "venv", "--system-site-packages", venv])
         self._execute([f"{venv}/bin/python", "-m", "pip", "install", "--quiet", *self.config.packages])
-        fs.pipe_file(f"venv/{self._venv_hash()}/READY", b"\n".join(p.encode() for p in self.config.packages))
+        self.far.put(f"venv/{self._venv_hash()}/READY", b"\n".join(p.encode() for p in self.config.packages))
 
     def fetch_policy(self, path: str, size: int) -> str:
         from tether.pipelines.transfer import size_policy
@@ -266,9 +275,10 @@ class Backend(BaseBackend):
         return size_policy(path, size, self.config.max_artifact_mb)
 
     def is_transport_error(self, err: BaseException) -> bool:
-        import asyncssh
-
-        return isinstance(err, (BackendError, asyncssh.Error, ConnectionError, TimeoutError, EOFError))
+        kinds: tuple = (BackendError, ConnectionError, TimeoutError, EOFError)
+        if "asyncssh" in sys.modules:  # only an SFTP call can raise its errors
+            kinds += (sys.modules["asyncssh"].Error,)
+        return isinstance(err, kinds)
 
     def teardown(self, run: Any) -> str:
         if self.config.keep_remote:
@@ -276,8 +286,8 @@ class Backend(BaseBackend):
         return super().teardown(run)
 
 
-def ssh_command(cfg: Config) -> str:
-    """The OpenSSH command that connects as tether does (the same host, port, user, key and files)."""
+def _ssh_words(cfg: Connection) -> list[str]:
+    """OpenSSH's options as tether connects: host keys verified, never a prompt, this config's files."""
     words = ["ssh", "-o", "BatchMode=yes"]  # BatchMode: fail where a prompt would hang tether
     if cfg.ssh_config:
         words += ["-F", cfg.ssh_config]
@@ -287,8 +297,47 @@ def ssh_command(cfg: Config) -> str:
         words += ["-p", str(cfg.port)]
     if cfg.identity_file:
         words += ["-i", cfg.identity_file]
-    words.append(f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host)
-    return " ".join(_shell_word(w) for w in words + ["true"])
+    return words
+
+
+def ssh_argv(cfg: Connection) -> list[str]:
+    """The ssh command line of the serve channel (the command to run follows it)."""
+    words = _ssh_words(cfg) + ["-T", "-o", f"ConnectTimeout={max(1, round(cfg.connect_timeout_s))}",
+                               "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+    words = [os.path.expanduser(w) if w.startswith("~/") else w for w in words]
+    return words + [f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host]
+
+
+def ssh_command(cfg: Connection) -> str:
+    """The OpenSSH command that connects as tether does (the same host, port, user, key and files)."""
+    words = _ssh_words(cfg) + [f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host, "true"]
+    return " ".join(_shell_word(w) for w in words)
+
+
+def ssh_refusal(cfg: Connection, stderr: str, code: Optional[int], python: str) -> BackendError:
+    """One tether error, naming the fix, for why an ssh command (the serve channel) never answered."""
+    where = f"{cfg.user + '@' if cfg.user else ''}{cfg.host}" + (f":{cfg.port}" if cfg.port else "")
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("@")]
+    said = lines[-1] if lines else f"ssh exited {code}"
+    if code == 127 or "command not found" in stderr or (python in stderr and "not found" in stderr):
+        return BackendError(f"{where}: {python}: not found on the far side: set python: in the backend's config")
+    if code != 255:
+        return BackendError(f"{where}: the far side's Python ({python}) ended at once (exit status {code}): {said}")
+    if "Permission denied" in stderr:
+        return BackendError(auth_hint(cfg, where))
+    if "host key" in stderr.lower() or "HOST IDENTIFICATION HAS CHANGED" in stderr:
+        return BackendError(f"{where}: host key not verified ({said}). A new server: check its "
+                            f"fingerprint, then `ssh {cfg.host} true` once to record it (or set known_hosts:). "
+                            f"A changed key: find out why before you remove the old entry")
+    if "timed out" in stderr.lower():
+        return BackendError(f"{where}: no answer within connect_timeout_s ({cfg.connect_timeout_s:g}s): "
+                            f"is the host up and the port right?")
+    if any(words in stderr for words in ("Connection refused", "No route to host", "Could not resolve",
+                                         "Network is unreachable", "Connection reset")):
+        return BackendError(f"{where}: cannot connect: {said}: is sshd running and the port right?")
+    if "Load key" in stderr or "passphrase" in stderr:
+        return BackendError(f"{where}: cannot use the key ({said}): an encrypted key needs ssh-agent (ssh-add it)")
+    return BackendError(f"{where}: the connection was lost ({said}): run the command again")
 
 
 def _shell_word(word: str) -> str:
@@ -298,7 +347,7 @@ def _shell_word(word: str) -> str:
     return shlex.quote(word)
 
 
-def auth_hint(cfg: Config, where: str) -> str:
+def auth_hint(cfg: Connection, where: str) -> str:
     """Authentication failed: the exact command that must work, and what to change."""
     if cfg.identity_file:
         fix = (f"put {cfg.identity_file}.pub into the far side's ~/.ssh/authorized_keys "
@@ -306,32 +355,6 @@ def auth_hint(cfg: Config, where: str) -> str:
     else:
         fix = "set identity_file:, or load the key with ssh-add"
     return f"{where}: authentication failed: `{ssh_command(cfg)}` must work without a prompt: {fix}"
-
-
-async def _streamed(client: Any, command: str, stdin: bytes, moved: Any) -> tuple[Optional[int], bytes, bytes]:
-    """Run `command`, reading its stdout as it comes and calling `moved(n)` for every piece."""
-    import asyncio
-
-    import asyncssh
-
-    async def run() -> tuple[Optional[int], bytes, bytes]:
-        async with await client.create_process(command, encoding=None,
-                                               stdin=asyncssh.PIPE if stdin else asyncssh.DEVNULL) as proc:
-            if stdin:
-                proc.stdin.write(stdin)
-                proc.stdin.write_eof()
-            errors = asyncio.ensure_future(proc.stderr.read())
-            chunks = []
-            while True:
-                chunk = await proc.stdout.read(1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                moved(len(chunk))
-            done = await proc.wait()
-            return done.exit_status, b"".join(chunks), await errors
-
-    return await asyncio.wait_for(run(), COMMAND_TIMEOUT_S)
 
 
 def explain(err: BaseException, cfg: Config, waited: float) -> BackendError:

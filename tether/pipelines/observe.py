@@ -15,6 +15,7 @@ from tether.paths import RunPaths
 from tether.pipelines import resuming
 from tether.pipelines.session import Session, flag
 from tether.remote.endings import words as signal_words
+from tether.remote.protocol import ERROR, Snapshot
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves (tqdm's nested bars)
 
@@ -23,20 +24,16 @@ class EventReader:
     """Reads events.jsonl from where it left off; only whole lines count."""
 
     def __init__(self, backend: Any, run: RunPaths, name: str = "events.jsonl") -> None:
-        self.backend, self.path, self.offset = backend, run.remote_file(name), 0
+        self.far, self.path, self.offset = backend.far, run.remote_file(name), 0
         self.last: dict[str, dict] = {}  # the newest event of each kind
 
     def read_bytes(self) -> bytes:
         try:
-            with self.backend.filesystem().open(self.path, "rb") as f:  # a reconnect gives a new one
-                f.seek(self.offset)
-                data = f.read()
+            data = self.far.cat(self.path, self.offset)
         except FileNotFoundError:
             return b""
-        except Exception as err:
-            if self.backend.is_transport_error(err):
-                raise BackendError(f"lost the far side while reading {self.path}: {err}") from err
-            raise
+        except BackendError as err:
+            raise BackendError(f"lost the far side while reading {self.path}: {err}") from err
         end = data.rfind(b"\n") + 1
         self.offset += end
         return data[:end]
@@ -54,26 +51,20 @@ class EventReader:
 
 
 class LastLine:
-    """The newest non-empty line of a far-side log; each read costs one open and at most TAIL_BYTES."""
+    """The newest non-empty line of a far-side log; each read costs one request and at most TAIL_BYTES."""
 
     TAIL_BYTES = 4096  # a screen line is far shorter; a log that grew by megabytes is not read whole
 
     def __init__(self, backend: Any, run: RunPaths, name: str = "train.log") -> None:
-        self.backend, self.path, self.offset, self.line = backend, run.remote_file(name), 0, ""
+        self.far, self.path, self.offset, self.line = backend.far, run.remote_file(name), 0, ""
 
     def read(self) -> str:
         try:
-            with self.backend.filesystem().open(self.path, "rb") as f:
-                size = f.seek(0, 2)
-                start = max(0, size - self.TAIL_BYTES, self.offset if self.offset <= size else 0)
-                f.seek(start)
-                data = f.read(size - start)
+            data, start = self.far.tail(self.path, self.TAIL_BYTES, self.offset)
         except FileNotFoundError:
             return self.line
-        except Exception as err:
-            if self.backend.is_transport_error(err):
-                raise BackendError(f"lost the far side while reading {self.path}: {err}") from err
-            raise
+        except BackendError as err:
+            raise BackendError(f"lost the far side while reading {self.path}: {err}") from err
         self.offset = start + len(data)
         lines = [_printable(p) for p in re.split(r"[\r\n]", data.decode(errors="replace"))]
         self.line = next((line for line in reversed(lines) if line), self.line)
@@ -85,43 +76,40 @@ def _printable(text: str) -> str:
     return " ".join("".join(c for c in ANSI.sub("", text) if c.isprintable()).split())
 
 
-def tail_text(fs: Any, run: RunPaths, name: str = "train.log", lines: int = 20) -> str:
+def tail_text(far: Any, run: RunPaths, name: str = "train.log", lines: int = 20) -> str:
     """The last `lines` lines of a far-side file (empty when it does not exist)."""
     try:
-        with fs.open(run.remote_file(name), "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - 16384))
-            text = f.read().decode(errors="replace")
+        text = far.tail(run.remote_file(name), 16384)[0].decode(errors="replace")
     except FileNotFoundError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
 
 
-def summary(s: Session, run: RunPaths, snap: dict) -> dict:
+def summary(s: Session, run: RunPaths, snap: Snapshot) -> dict:
     """What `status` reports: state, step, last loss, heartbeat age, where, how long."""
     reader = EventReader(s.backend, run)
     events = reader.read()
-    state = snap.get("state", {})
+    state = snap.state
     step = reader.last.get("step", {})
     losses = [e["loss"] for e in events if e.get("event") == "step" and isinstance(e.get("loss"), (int, float))]
     epoch = {k: v for k, v in reader.last.get("epoch", {}).items()
              if k not in ("event", "t", "step", "epoch") and isinstance(v, (int, float))}
     started, ended = state.get("started_at"), state.get("ended_at")
-    elapsed = ((ended or snap.get("now") or time.time()) - started) if started else None
-    return {"run_id": run.run_id, "status": snap["status"], "backend": s.job.backend,
+    elapsed = ((ended or snap.now or time.time()) - started) if started else None
+    return {"run_id": run.run_id, "status": snap.status, "backend": s.job.backend,
             "host": state.get("host"), "step": step.get("step"),
             "loss": losses[-1] if losses else None,  # a bar position read from the output carries none
-            "heartbeat_age_s": snap.get("heartbeat_age_s"), "elapsed_s": round(elapsed, 1) if elapsed else None,
+            "heartbeat_age_s": snap.heartbeat_age_s, "elapsed_s": round(elapsed, 1) if elapsed else None,
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
             "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
             "queue": queue_text(snap), "resume_from": s.record(run).get("resume_from"),
             "signal": state.get("signal")}
 
 
-def queue_text(snap: dict) -> Optional[str]:
+def queue_text(snap: Snapshot) -> Optional[str]:
     """The scheduler's view, e.g. `job 12_3 PENDING (Priority)` or `job 12 RUNNING on node07`;
     None off a scheduler."""
-    queue = snap.get("queue")
+    queue = snap.queue
     if not queue:
         return None
     reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
@@ -194,9 +182,9 @@ def tail(s: Session, poll_s: float = 0.5) -> None:
         snap = s.snapshot(run, fresh=True)
         sys.stdout.write(reader.read_bytes().decode(errors="replace"))
         sys.stdout.flush()
-        if snap["status"] not in ("running", "pending"):
+        if snap.status not in ("running", "pending"):
             sys.stdout.write(reader.read_bytes().decode(errors="replace"))
-            print(f"[run {run.run_id} is {snap['status']}]")
+            print(f"[run {run.run_id} is {snap.status}]")
             return
         time.sleep(poll_s)
 
@@ -204,9 +192,9 @@ def tail(s: Session, poll_s: float = 0.5) -> None:
 def stop(s: Session) -> str:
     run = s.observed()
     outcome = s.backend.stop(run, s.job.grace_seconds)
-    if outcome["outcome"] == "error":
-        raise BackendError(f"stop of {run.run_id}: {outcome['error']}: look at them with `ps -o pid,pgid,cmd`")
-    return f"{run.run_id}: {outcome['outcome']}"
+    if outcome.outcome == ERROR:
+        raise BackendError(f"stop of {run.run_id}: {outcome.error}: look at them with `ps -o pid,pgid,cmd`")
+    return f"{run.run_id}: {outcome.outcome}"
 
 
 def check(s: Session) -> Optional[str]:

@@ -21,7 +21,8 @@ from tether.paths import RunPaths
 from tether.pipelines import resuming, transfer
 from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
 from tether.pipelines.session import Session, flag
-from tether.remote.fileio import atomic_write_json, read_json, tar_bytes
+from tether.remote.fileio import atomic_write_json, read_json
+from tether.remote.protocol import ABSENT, ALREADY_RUNNING, ERROR, FINISHED, STARTED, Snapshot
 from tether.remote.rundir import restart_allowed
 
 
@@ -64,9 +65,9 @@ def launch_done(s: Session) -> bool:
     if watch_done(s):
         return True
     snap = s.snapshot(run)
-    queued = snap["status"] == "pending" and snap.get("queue")  # waiting in the scheduler's queue
-    ended = snap.get("final", False) and snap["status"] == "completed"  # stopped: resumed; failed: refused
-    return snap["status"] == "running" or ended or bool(queued)
+    queued = snap.status == "pending" and snap.queue  # waiting in the scheduler's queue
+    ended = snap.final and snap.status == "completed"  # stopped: resumed; failed: refused
+    return snap.status == "running" or ended or bool(queued)
 
 
 def watch_done(s: Session) -> bool:
@@ -99,48 +100,39 @@ def up(s: Session) -> str:
 
 
 def push(s: Session) -> str:
-    """Upload what the far side's object store lacks, then build the run's frozen code snapshot."""
+    """Upload what the far side's object store lacks and build the run's frozen snapshot: one request."""
     run = s.run()
-    sent, total = _upload_objects(s, s.backend.filesystem())  # only what the object store lacks
-    listing = [{"root": e.root, "path": e.path, "sha256": e.sha256, "mode": e.mode} for e in s.entries]
-    built = s.backend.launcher("materialize", run.remote_abs,  # records tree.json once; skips what is built
-                               stdin=json.dumps({"files": listing}).encode())["built"]
-    write_stamp(run, "push", files=len(s.entries), sent=len(sent), bytes_sent=total)
-    what = f"built {' and '.join(built)}" if built else "snapshot already there"
-    return f"{run.run_id}: pushed {len(sent)} of {len(s.entries)} files ({total} bytes); {what}"
-
-
-def _upload_objects(s: Session, fs) -> tuple[list[str], int]:
-    """Send the files whose content the far side's object store lacks (one round trip to ask)."""
     unique = {e.sha256: e for e in s.entries}
-    if not unique:
-        return [], 0
-    objects = f"{s.backend.remote_dir}/objects"
-    missing = s.backend.launcher("have", objects, stdin="\n".join(unique).encode())
-    total = sum(unique[h].size for h in missing)
-    small = [h for h in missing if unique[h].size <= transfer.SMALL]
-    gone = [unique[h].path for h in missing if not unique[h].local]
-    if gone:  # a reproduction counted on objects the far side had a moment ago
+    listing = [{"root": e.root, "path": e.path, "sha256": e.sha256, "mode": e.mode} for e in s.entries]
+    sent: dict[str, int] = {}
+
+    def send(need: list[str], out: Any) -> None:
+        sendable = [h for h in need if unique[h].local]  # a reproduction's absent data: the far side must have it
+        total = sum(unique[h].size for h in sendable)
+        with transfer.bar(total, "push") as progress:
+            transfer.tar_into(out, [(h, unique[h].local) for h in sendable], progress.update)
+        sent.update(files=len(sendable), bytes=total)
+
+    done = s.backend.far.push(f"{s.backend.remote_dir}/objects", run.remote_abs, listing, send,
+                              s.backend.stall_timeout_s)
+    if done.bad:
+        raise BackendError(f"the far side refused {done.bad[:3]}: the files changed while being pushed? "
+                           f"run the push again")
+    if done.missing:  # a reproduction counted on objects the far side had a moment ago
+        gone = sorted({unique[h].path for h in done.missing})
         raise BackendError(f"{', '.join(gone)}: not here, and no longer on the far side: put the files back")
-    with transfer.bar(total, "push") as progress:
-        for group in transfer.batches(small, lambda h: unique[h].size):
-            stored = s.backend.launcher("receive", objects, stdin=tar_bytes([(h, unique[h].local) for h in group]))
-            if stored["bad"]:
-                raise BackendError(f"the far side refused {stored['bad'][:3]}: the files changed while being "
-                                   f"pushed? run the push again")
-            progress.update(sum(unique[h].size for h in group))
-        for sha in missing:
-            if unique[sha].size > transfer.SMALL:
-                transfer.put_atomic(fs, unique[sha].local, f"objects/{sha[:2]}/{sha}", progress)
-    return missing, total
+    write_stamp(run, "push", files=len(s.entries), sent=sent.get("files", 0), bytes_sent=sent.get("bytes", 0))
+    what = f"built {' and '.join(done.built)}" if done.built else "snapshot already there"
+    return (f"{run.run_id}: pushed {sent.get('files', 0)} of {len(s.entries)} files ({sent.get('bytes', 0)} bytes); "
+            f"{what}")
 
 
-def ensure_sealed(s: Session, run: RunPaths, snap: dict) -> bool:
+def ensure_sealed(s: Session, run: RunPaths, snap: Snapshot) -> bool:
     """Whether the run's manifest exists; seals it when its launcher died between "final" and the seal."""
-    if snap.get("sealed"):
+    if snap.sealed:
         return True
-    if snap.get("final") and not snap.get("alive"):
-        s.backend.launcher("seal", run.remote_abs)
+    if snap.final and not snap.alive:
+        s.backend.far.seal(run.remote_abs)
         return True
     return False
 
@@ -152,33 +144,32 @@ def launch(s: Session) -> str:
     # An ended run runs again only by an explicit verb: a stopped one resumes, retry=1 relaunches a
     # failed one; relaunch() refuses the rest in one line, or answers "" (completed: left alone).
     retry = flag(s.variables, "retry")
-    if snap.get("final") and snap["status"] not in ("stopped", "completed") and not retry:
+    if snap.final and snap.status not in ("stopped", "completed") and not retry:
         raise RunError(_ended_message(s, run, snap))  # failed or preempted: never relaunched silently
-    reopened = resuming.relaunch(s, run, snap, retry) if snap.get("final") else "open"
-    if snap["status"] == "running" or reopened in ("", "running"):
-        write_stamp(run, "launch", outcome="already " + snap["status"])
-        return f"{run.run_id}: already {snap['status']}; not launched again"
+    reopened = resuming.relaunch(s, run, snap, retry) if snap.final else "open"
+    if snap.status == "running" or reopened in ("", "running"):
+        write_stamp(run, "launch", outcome="already " + snap.status)
+        return f"{run.run_id}: already {snap.status}; not launched again"
     if s.backend.launches_arrays and s.siblings:
         return _launch_array(s)
     _record_launch(s, run, snap)
     result = s.backend.launch(run)
-    if result["outcome"] == "error":
-        log = tail_text(s.backend.filesystem(), run, "launcher.log")
-        raise BackendError(f"{run.run_id}: the launcher did not start: {result.get('error', '')}\n{log}")
+    if result.outcome == ERROR:
+        log = tail_text(s.backend.far, run, "launcher.log")
+        raise BackendError(f"{run.run_id}: the launcher did not start: {result.error}\n{log}")
     s.forget_snapshot(run)
-    write_stamp(run, "launch", outcome=result["outcome"], attempt=result["state"].get("attempt"))
-    verb = {"started": "launched", "running": "already running", "finished": "already finished"}
-    which = f"SLURM job {result['job_id']}" if result.get("job_id") else f"attempt {result['state'].get('attempt')}"
-    return f"{run.run_id}: {verb[result['outcome']]} ({which})"
+    write_stamp(run, "launch", outcome=result.outcome, attempt=result.attempt)
+    verb = {STARTED: "launched", ALREADY_RUNNING: "already running", FINISHED: "already finished"}
+    which = f"SLURM job {result.job_id}" if result.job_id else f"attempt {result.attempt}"
+    return f"{run.run_id}: {verb[result.outcome]} ({which})"
 
 
-def _record_launch(s: Session, run: RunPaths, snap: dict) -> None:
+def _record_launch(s: Session, run: RunPaths, snap: Snapshot) -> None:
     """run.json, here and on the far side, with the artifact roster as of launch."""
-    if snap["status"] in ("absent", "pending"):
+    if snap.status in ("absent", "pending"):
         record = dict(s.record(run), artifacts=list(s.job.artifacts))
         atomic_write_json(run.run_json, record)
-        transfer.pipe_atomic(s.backend.filesystem(), run.remote_file("run.json"),
-                             json.dumps(record, indent=2, sort_keys=True).encode())
+        s.backend.far.put(run.remote_file("run.json"), json.dumps(record, indent=2, sort_keys=True).encode())
 
 
 def _launch_array(s: Session) -> str:
@@ -191,9 +182,9 @@ def _launch_array(s: Session) -> str:
     results = s.backend.launch_many([run for _, run in pushed], s.job.name)
     for point, run in pushed:
         point.forget_snapshot(run)
-        write_stamp(run, "launch", outcome=results[run.run_id]["outcome"], job_id=results[run.run_id].get("job_id"))
+        write_stamp(run, "launch", outcome=results[run.run_id].outcome, job_id=results[run.run_id].job_id)
     mine = results[s.run().run_id]
-    return f"{s.run().run_id}: {mine['outcome']} (SLURM job {mine.get('job_id')})"
+    return f"{s.run().run_id}: {mine.outcome} (SLURM job {mine.job_id})"
 
 
 def watch(s: Session, poll_min: float = 0.2) -> str:
@@ -227,16 +218,16 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             else:
                 _show_waiting(progress, label, snap, line)
             _show_queue(progress, run, snap, seen)
-            if snap.get("final") and ensure_sealed(s, run, snap):
+            if snap.final and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
-            if snap["status"] in ("preempted", "failed", "lost", "cancelled") and _settled(s, snap, seen):
+            if snap.status in ("preempted", "failed", "lost", "cancelled") and _settled(s, snap, seen):
                 _restart(s, run, snap)
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)
             time.sleep(interval)
-    state = snap["state"]
-    write_stamp(run, "watch", status=snap["status"], exit_code=state.get("exit_code"))
-    if snap["status"] != "completed":
+    state = snap.state
+    write_stamp(run, "watch", status=snap.status, exit_code=state.get("exit_code"))
+    if snap.status != "completed":
         raise RunError(_ended_message(s, run, snap))
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
@@ -258,17 +249,17 @@ def _show(progress, reader: EventReader, events: list[dict], label: str) -> None
     progress.refresh()
 
 
-def _show_waiting(progress, label: str, snap: dict, line: str) -> None:
+def _show_waiting(progress, label: str, snap: Snapshot, line: str) -> None:
     """No step events (yet): the run's elapsed time and its latest log line, cut to the terminal."""
-    state = snap["state"]
-    started, until = state.get("started_at"), state.get("ended_at") or snap.get("now")
+    state = snap.state
+    started, until = state.get("started_at"), state.get("ended_at") or snap.now
     elapsed = progress.format_interval(max(0.0, until - started)) if started and until else "--:--"
-    text = f"{label}: {snap['status']} {elapsed}" + (f" | {line}" if line else "")
+    text = f"{label}: {snap.status} {elapsed}" + (f" | {line}" if line else "")
     width = shutil.get_terminal_size((80, 24)).columns - 1
     progress.set_description_str(text if len(text) <= width else text[:width - 3] + "...", refresh=True)
 
 
-def _show_queue(progress, run: RunPaths, snap: dict, seen: dict) -> None:
+def _show_queue(progress, run: RunPaths, snap: Snapshot, seen: dict) -> None:
     """Print each change of the scheduler's view: PENDING (Priority), RUNNING on node07, ..."""
     text = queue_text(snap)
     if text and seen.get("queue") != text:
@@ -276,25 +267,25 @@ def _show_queue(progress, run: RunPaths, snap: dict, seen: dict) -> None:
         progress.write(f"{run.run_id}: {text}", file=sys.stderr)
 
 
-def _settled(s: Session, snap: dict, seen: dict) -> bool:
+def _settled(s: Session, snap: Snapshot, seen: dict) -> bool:
     """A run that just vanished gets exit_grace_s for its final state to reach shared storage."""
-    first = seen.setdefault(("ended", snap["status"]), time.monotonic())
+    first = seen.setdefault(("ended", snap.status), time.monotonic())
     return time.monotonic() - first >= s.backend.exit_grace_s
 
 
-def _restart(s: Session, run: RunPaths, snap: dict) -> None:
+def _restart(s: Session, run: RunPaths, snap: Snapshot) -> None:
     """Relaunch from the latest checkpoint when the restart policy allows it, else say what to do."""
-    if snap.get("final"):
+    if snap.final:
         return  # it ended for good and its launcher is still sealing: watch waits for the manifest
-    status, restarts = snap["status"], int(snap["state"].get("restarts") or 0)
+    status, restarts = snap.status, int(snap.state.get("restarts") or 0)
     policy, most, spec = s.job.restart.policy, s.job.restart.max_restarts, {"restart": asdict(s.job.restart)}
     allowed = restart_allowed(status, spec, attempt=1)  # does the policy cover this end at all?
     if restart_allowed(status, spec, attempt=restarts + 1):
         result = s.backend.launch(run)
         print(f"\n{run.run_id}: {status}; relaunched from its latest checkpoint "
-              f"(restart {restarts + 1} of at most {most}, {result['outcome']})", file=sys.stderr)
+              f"(restart {restarts + 1} of at most {most}, {result.outcome})", file=sys.stderr)
         return
-    scheduler = snap.get("scheduler") or {}
+    scheduler = snap.scheduler or {}
     if status == "cancelled":
         raise RunError(f"run {run.run_id}: SLURM job {snap.get('job_id')} {scheduler.get('words')}; "
                        f"`doit run train` submits it again, resuming from its latest checkpoint")
@@ -304,21 +295,21 @@ def _restart(s: Session, run: RunPaths, snap: dict) -> None:
         raise RunError(f"run {run.run_id} was lost: {why}, before it could checkpoint and exit. "
                        f"`doit run train` relaunches it from its latest checkpoint")
     why = f"restart policy {policy!r}" + (f", {restarts} of {most} restarts used" if allowed else "")
-    saved = _checkpoint_words(snap["state"])
+    saved = _checkpoint_words(snap.state)
     raise RunError(f"run {run.run_id} is {status} ({why}); {saved}: `doit run train` "
-                   + ("resumes it from there" if snap["state"].get("checkpoint") else "runs it again"))
+                   + ("resumes it from there" if snap.state.get("checkpoint") else "runs it again"))
 
 
-def _ended_message(s: Session, run: RunPaths, snap: dict) -> str:
+def _ended_message(s: Session, run: RunPaths, snap: Snapshot) -> str:
     """watch's (and a refused relaunch's) account of a run that ended without completing."""
-    log = tail_text(s.backend.filesystem(), run)
+    log = tail_text(s.backend.far, run)
     return (f"run {run.run_id} {_ended_words(s, snap)}; the end of train.log:\n{log}\n"
             f"`doit pull run={run.run_id}` brings its files home")
 
 
-def _ended_words(s: Session, snap: dict) -> str:
+def _ended_words(s: Session, snap: Snapshot) -> str:
     """How a run that will not run again ended, for watch's last line: whose failure, what it left."""
-    state = snap["state"]
+    state = snap.state
     if state.get("start_error"):
         return (f"failed: its trainer could not start: {state['start_error']}: install the program on the "
                 f"far side (its PATH is the launcher's) and run `doit run train retry=1`, "
@@ -328,15 +319,15 @@ def _ended_words(s: Session, snap: dict) -> str:
                 f"(launcher.log has the traceback; please report it)")
     if state.get("resume_error"):
         return f"failed before its trainer started: {state['resume_error']}"
-    if snap["status"] == "stopped":
+    if snap.status == "stopped":
         return (f"stopped (exit code {state.get('exit_code')}); {_checkpoint_words(state)}: "
                 f"`doit run train` resumes it" + (" from there" if state.get("checkpoint") else ""))
     text = resuming.how_it_ended(snap)
-    if snap["status"] == "preempted":  # final: the restart policy will not resume it
+    if snap.status == "preempted":  # final: the restart policy will not resume it
         restart = s.job.restart
         used = f", {state.get('restarts', 0)} of {restart.max_restarts} restarts used" if restart.policy != "never" else ""
         text += f" and is not restarted (restart policy {restart.policy!r}{used})"
-    if snap["status"] in ("preempted", "failed"):
+    if snap.status in ("preempted", "failed"):
         text += f"; {_checkpoint_words(state)}: {resuming.retry_hint(state)}"
     return text
 
@@ -346,19 +337,19 @@ def _checkpoint_words(state: dict) -> str:
     return resuming.checkpoint_words(state)
 
 
-def _check_health(s: Session, run: RunPaths, snap: dict) -> None:
-    status, state = snap["status"], snap["state"]
-    age = snap.get("heartbeat_age_s")
+def _check_health(s: Session, run: RunPaths, snap: Snapshot) -> None:
+    status, state = snap.status, snap.state
+    age = snap.heartbeat_age_s
     beating = status == "running" and state.get("status") == "running"  # not a requeued job starting up
     if beating and age is not None and age > s.job.heartbeat_timeout_s:
         raise RunError(f"run {run.run_id}: no heartbeat for {age:.0f}s (heartbeat_timeout_s is "
                        f"{s.job.heartbeat_timeout_s:.0f}): the far side may be hung; `doit status` to look, "
                        f"`doit stop` to end it")
     started = state.get("started_at")
-    if status == "running" and started and snap["now"] - started > s.job.max_wall_seconds:
+    if status == "running" and started and snap.now - started > s.job.max_wall_seconds:
         outcome = s.backend.stop(run, s.job.grace_seconds)
         raise RunError(f"run {run.run_id} passed max_wall_seconds ({s.job.max_wall_seconds:.0f}s) "
-                       f"and was stopped ({outcome['outcome']})")
+                       f"and was stopped ({outcome.outcome})")
 
 
 def pull(s: Session) -> str:
@@ -381,7 +372,7 @@ def pull(s: Session) -> str:
         snap = s.snapshot(run, fresh=True)
         if ensure_sealed(s, run, snap):  # its launcher died between "final" and the seal
             return pull(s)
-        raise RunError(f"run {run.run_id} is {snap['status']} and has no manifest yet (it is sealed "
+        raise RunError(f"run {run.run_id} is {snap.status} and has no manifest yet (it is sealed "
                        f"when the run ends): `doit run watch` waits for that")
     listed = json.loads(data)
     left = {e["path"]: s.backend.fetch_policy(e["path"], e["bytes"]) for e in listed["files"]}
@@ -405,11 +396,10 @@ def pull(s: Session) -> str:
 
 def _far_manifest(s: Session, run: RunPaths) -> bytes | None:
     """The far side's PULL_MANIFEST.json, or None when it has none."""
-    with s.backend.watchdog().watching():
-        try:
-            return s.backend.filesystem().cat_file(run.remote_file("PULL_MANIFEST.json"))
-        except FileNotFoundError:
-            return None
+    try:
+        return s.backend.far.cat(run.remote_file("PULL_MANIFEST.json"))
+    except FileNotFoundError:
+        return None
 
 
 def _store_manifest(run: RunPaths, data: bytes) -> None:
@@ -430,41 +420,41 @@ def _store_manifest(run: RunPaths, data: bytes) -> None:
 
 
 def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
-    """Small files in tar batches, large ones resumably, every byte watched for a stall."""
-    fs, watchdog = s.backend.filesystem(), s.backend.watchdog()
+    """Small files in tar batches, large ones resumably; every byte hashed as it lands, every wait bounded."""
+    far, stall_s = s.backend.far, s.backend.stall_timeout_s
 
     def changed(path: str, want: tuple[int, str], got: tuple[int, str] | None) -> Exception:
         return transfer.far_side_changed(run.run_id, path, f"{run.remote_abs}/{path}", want, got)
 
-    with transfer.bar(total, "pull") as bar:
-        progress = watchdog.progress(bar)
+    with transfer.bar(total, "pull") as progress:
         for e in todo:
             warning = "" if s.backend.config.max_artifact_mb else transfer.large_warning(e["path"], e["bytes"])
             if warning:
-                progress.write(warning)
+                progress.write(warning, file=sys.stdout)
         small = [e for e in todo if e["bytes"] <= transfer.SMALL]
         for group in transfer.batches(small, lambda e: e["bytes"]):
-            asked = json.dumps([e["path"] for e in group]).encode()
+            pieces: list[bytes] = []
             try:
-                with watchdog.watching():
-                    tar = s.backend.launcher_bytes("send", run.remote_abs, stdin=asked)
+                far.send(run.remote_abs, [e["path"] for e in group], pieces.append, stall_s)
             except RemoteCommandError:
-                _gone(fs, run, group, changed)  # a far file removed after sealing fails the whole `send`
+                _gone(far, run, group, changed)  # a far file removed after sealing fails the whole `send`
                 raise
-            transfer.unpack(tar, {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"]) for e in group},
-                            progress, changed)
+            transfer.unpack(b"".join(pieces), {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"])
+                                               for e in group}, progress, changed)
         for e in todo:
             if e["bytes"] > transfer.SMALL:
-                transfer.get_resumable(fs, run.remote_file(e["path"]), run.pulled(e["path"]), e["bytes"],
-                                       e["sha256"], progress, lambda want, got, p=e["path"]: changed(p, want, got),
-                                       watchdog)
+                def read_from(offset: int, write: Callable[[bytes], None], path: str = e["path"]) -> None:
+                    far.read(run.remote_file(path), write, offset, stall_s=stall_s)
+
+                transfer.get_resumable(read_from, run.pulled(e["path"]), e["bytes"], e["sha256"], progress,
+                                       lambda want, got, p=e["path"]: changed(p, want, got))
 
 
-def _gone(fs: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exception]) -> None:
+def _gone(far: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exception]) -> None:
     """Raise `changed` for the first file of `group` that the far side no longer has."""
     for e in group:
         try:
-            fs.info(run.remote_file(e["path"]))
+            far.read(run.remote_file(e["path"]), lambda chunk: None, 0, 0)
         except FileNotFoundError:
             raise changed(e["path"], (e["bytes"], e["sha256"]), None)
 
@@ -502,13 +492,9 @@ def verify(s: Session) -> str:
 def down(s: Session, confirm: bool) -> str:
     """Remove the far-side run dir, only once the results here are verified against its manifest."""
     run = s.observed()
-    fs = s.backend.filesystem()
-    try:
-        far = fs.cat_file(run.remote_file("PULL_MANIFEST.json"))
-    except FileNotFoundError:
-        try:
-            fs.info(run.remote)
-        except FileNotFoundError:
+    far = _far_manifest(s, run)
+    if far is None:
+        if s.snapshot(run, fresh=True).status == ABSENT:
             return f"{run.run_id}: already removed: no action needed"
         far = b""
     verified = read_json(run.verified)

@@ -173,14 +173,14 @@ def resume_source(s: Session, recorded: Recorded, again: Session) -> None:
     if not source:
         return
     src = s.paths(source["run_id"])
-    far = s.backend.launcher("checkpoint", src.remote_abs, source["checkpoint"])
-    if far["outcome"] == "found" and far["sha256"] == source["sha256"]:
+    far = s.backend.far.checkpoint(src.remote_abs, source["checkpoint"])
+    if far.outcome == "found" and far.sha256 == source["sha256"]:
         print(f"{recorded.run.run_id}: resuming from {source['run_id']}'s checkpoint {source['checkpoint']} on "
               f"backend {s.job.backend} (sha256 matches)")
         return
     there = {"absent": f"run {source['run_id']} is not on backend {s.job.backend} (`doit down` removed it?)",
              "missing": f"run {source['run_id']} on backend {s.job.backend} no longer has it"}.get(
-        far["outcome"], f"backend {s.job.backend} has other bytes (sha256 {far.get('sha256', '')[:12]})")
+        far.outcome, f"backend {s.job.backend} has other bytes (sha256 {(far.sha256 or '')[:12]})")
     local = src.pulled(source["checkpoint"])
     here = sha256_file(local)[0] if os.path.isfile(local) else None
     if here != source["sha256"]:
@@ -192,7 +192,7 @@ def resume_source(s: Session, recorded: Recorded, again: Session) -> None:
     name = os.path.basename(mapped) if mapped else os.path.basename(source["checkpoint"])
     run = again.run()
     with transfer.bar(os.path.getsize(local), "checkpoint") as progress:
-        transfer.put_atomic(s.backend.filesystem(), local, run.remote_file(f"checkpoints/{name}"), progress)
+        s.backend.far.put_file(run.remote_file(f"checkpoints/{name}"), local, progress.update)
     print(f"{recorded.run.run_id}: {there}; uploaded the pulled copy of its checkpoint {source['checkpoint']} "
           f"(sha256 matches) to resume from")
 
@@ -236,7 +236,7 @@ def _data_on_backend(s: Session, recorded: Recorded, absent: dict[str, tuple[dic
     if not absent:
         return
     s.backend.install_launcher()
-    lacking = s.backend.launcher("have", f"{s.backend.remote_dir}/objects", stdin="\n".join(absent).encode())
+    lacking = s.backend.far.have(f"{s.backend.remote_dir}/objects", list(absent))
     if lacking:
         described = [f"{absent[sha][0]['path']} (sha256 {sha}; here: {absent[sha][1] or 'missing'})" for sha in lacking]
         raise RunError(f"refusing to reproduce {recorded.run.run_id}: its data is neither here nor on backend "

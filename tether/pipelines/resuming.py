@@ -17,6 +17,7 @@ from tether.errors import ConfigError
 from tether.paths import RunPaths, check_run_id
 from tether.remote.endings import words as signal_words
 from tether.remote.fileio import read_json
+from tether.remote.protocol import Snapshot
 
 if TYPE_CHECKING:
     from tether.pipelines.session import Session
@@ -36,7 +37,7 @@ def source(s: "Session", run_id: str) -> dict[str, Any]:
     record = read_json(src.run_json)
     if record is None:
         try:
-            record = read_json_text(s.backend.filesystem().cat_file(src.remote_file("run.json")))
+            record = read_json_text(s.backend.far.cat(src.remote_file("run.json")))
         except FileNotFoundError:
             record = None
     if record is None:
@@ -45,14 +46,14 @@ def source(s: "Session", run_id: str) -> dict[str, Any]:
     if record.get("backend") not in (None, s.job.backend):
         raise ConfigError(f"resume_from={run_id}: that run is on backend {record['backend']}, this job on "
                           f"{s.job.backend}: pass backend={record['backend']} (its checkpoint stays where it ran)")
-    info = s.backend.launcher("checkpoint", src.remote_abs)
-    if info["outcome"] == "absent":
+    info = s.backend.far.checkpoint(src.remote_abs)
+    if info.outcome == "absent":
         raise ConfigError(f"resume_from={run_id}: its run dir is gone from backend {s.job.backend} "
                           f"(`doit down` removed it?), so its checkpoint cannot seed a new run")
-    if not info.get("checkpoint"):
-        raise ConfigError(f"resume_from={run_id}: run {run_id} ({info['status']}) saved no checkpoint to "
+    if not info.checkpoint:
+        raise ConfigError(f"resume_from={run_id}: run {run_id} ({info.status}) saved no checkpoint to "
                           f"resume from: run without resume_from to start from step 0")
-    return {"run_id": run_id, "checkpoint": info["checkpoint"], "sha256": info["sha256"], "step": info.get("step")}
+    return {"run_id": run_id, "checkpoint": info.checkpoint, "sha256": info.sha256, "step": info.step}
 
 
 def read_json_text(data: bytes) -> dict | None:
@@ -90,22 +91,22 @@ def retry_hint(state: dict) -> str:
     return f"`doit run train retry=1` relaunches it {where}"
 
 
-def how_it_ended(snap: dict) -> str:
+def how_it_ended(snap: Snapshot) -> str:
     """`failed: killed by SIGKILL (out of memory?)`, or `failed (exit code 1)`."""
-    said = signal_words(snap["state"])
-    return f"{snap['status']}: {said}" if said else f"{snap['status']} (exit code {snap['state'].get('exit_code')})"
+    said = signal_words(snap.state)
+    return f"{snap.status}: {said}" if said else f"{snap.status} (exit code {snap.state.get('exit_code')})"
 
 
-def relaunch(s: "Session", run: RunPaths, snap: dict, retry: bool) -> str:
+def relaunch(s: "Session", run: RunPaths, snap: Snapshot, retry: bool) -> str:
     """An ended run asked to run again (a stopped one, or any with retry=1): reopened on the far side and
     archived here; a completed one never runs again. The far side's outcome ("" when left alone)."""
-    if snap["status"] == "completed":
+    if snap.status == "completed":
         if retry:
             raise ConfigError(f"retry=1: run {run.run_id} completed, and a completed run is final: change the "
                               f"code or config for a new run, or pass resume_from={run.run_id} to start one "
                               f"from its checkpoint")
         return ""
-    opened = s.backend.launcher("reopen", run.remote_abs)
+    opened = s.backend.far.reopen(run.remote_abs)
     if opened["outcome"] == "refused":
         raise ConfigError(f"run {run.run_id}: {opened['error']}")
     if opened["outcome"] == "reopened":

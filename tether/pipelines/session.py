@@ -237,7 +237,7 @@ class Session:
         if os.path.exists(run.run_json):
             return run
         try:
-            data = self.backend.filesystem().cat_file(run.remote_file("run.json"))
+            data = self.backend.far.cat(run.remote_file("run.json"))
         except FileNotFoundError:
             raise RunError(f"run {run_id} is unknown here and on backend {self.job.backend} "
                            f"({run.remote_abs}): check the id, or pass backend=NAME")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import sys
@@ -13,6 +14,7 @@ import uuid
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from tether.errors import BackendError, ManifestError
+from tether import manifest
 from tether.manifest import PART
 from tether.remote.fileio import CHUNK, sha256_file
 
@@ -142,7 +144,8 @@ def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any
     """Write each member of a tar to its local place (path, bytes, sha256), checked, via `.part`.
 
     The far side's `send` reads its files as they are now, so a member that does not match is
-    the far side's copy changed after sealing: `changed(path, wanted, got)` is raised.
+    the far side's copy changed after sealing: `changed(path, wanted, got)` is raised. Each file
+    is hashed from the bytes written, and remembered, so a verify in this process need not read it.
     """
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
         for member in tar.getmembers():
@@ -150,16 +153,27 @@ def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any
                 raise ManifestError(f"the far side sent {member.name!r}, which was not asked for")
             local, size, sha256 = expected.pop(member.name)
             os.makedirs(os.path.dirname(local), exist_ok=True)
-            with tar.extractfile(member) as source, open(local + PART, "wb") as out:
-                out.write(source.read())
-            progress.update(member.size)
-            got = sha256_file(local + PART)[::-1]
+            with tar.extractfile(member) as source:
+                body = source.read()
+            got = (len(body), hashlib.sha256(body).hexdigest())
             if got != (size, sha256):
-                os.unlink(local + PART)
                 raise changed(member.name, (size, sha256), got)
+            with open(local + PART, "wb") as out:
+                out.write(body)
             os.replace(local + PART, local)
+            manifest.remember(local, sha256)
+            progress.update(member.size)
     if expected:
         raise ManifestError(f"the far side did not send {sorted(expected)[:5]}: run the pull again")
+
+
+def tar_into(out: Any, files: list[tuple[str, str]], moved: Callable[[int], None]) -> None:
+    """Write the local files [(name in the archive, path)] to the file `out` as one tar stream, in
+    1 MiB pieces: memory stays flat however large a file is; `moved(n)` after each file."""
+    with tarfile.open(fileobj=out, mode="w|", copybufsize=CHUNK) as tar:
+        for name, local in files:
+            tar.add(local, arcname=name, recursive=False)
+            moved(os.path.getsize(local))
 
 
 def bar(total: int, what: str) -> Any:
@@ -219,13 +233,14 @@ def matches(path: str, size: int, sha256: str) -> bool:
     return sha256_file(path)[0] == sha256
 
 
-def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, progress: Any,
-                  changed: Callable[[tuple[int, str], Optional[tuple[int, str]]], Exception],
-                  watchdog: Watchdog = UNWATCHED) -> None:
+def get_resumable(read_from: Callable[[int, Callable[[bytes], None]], None], local: str, size: int, sha256: str,
+                  progress: Any, changed: Callable[[tuple[int, str], Optional[tuple[int, str]]], Exception]) -> None:
     """Download into `local`.part, continuing a partial one, check size and SHA-256, then rename.
 
-    A continued part that does not add up is fetched once more from zero; a whole fresh copy that
-    does not is the far side's file changed after sealing: `changed(wanted, got)` is raised.
+    `read_from(offset, write)` streams the far file from `offset`, in order, into `write`. The
+    bytes are hashed as they land (a continued part is hashed first). A continued part that does
+    not add up is fetched once more from zero; a whole fresh copy that does not is the far side's
+    file changed after sealing: `changed(wanted, got)` is raised.
     """
     part = local + PART
     os.makedirs(os.path.dirname(local), exist_ok=True)
@@ -234,33 +249,33 @@ def get_resumable(fs: Any, remote: str, local: str, size: int, sha256: str, prog
         os.unlink(part)
         have = 0
     if have:
-        progress.write(f"resuming {os.path.basename(local)} at {have / (1 << 20):.1f} of {size / (1 << 20):.1f} MiB")
+        progress.write(f"resuming {os.path.basename(local)} at {have / (1 << 20):.1f} of {size / (1 << 20):.1f} MiB",
+                       file=sys.stdout)
+    digest = hashlib.sha256()
     try:
-        with watchdog.watching():
-            _append(fs, remote, part, have, progress)
+        with open(part, "ab" if have else "wb") as dst:
+            if have:
+                with open(part, "rb") as before:
+                    for chunk in iter(lambda: before.read(CHUNK), b""):
+                        digest.update(chunk)
+                progress.update(have)
+
+            def write(chunk: bytes) -> None:
+                dst.write(chunk)
+                digest.update(chunk)
+                progress.update(len(chunk))
+
+            read_from(have, write)
+            dst.flush()
+            os.fsync(dst.fileno())
     except FileNotFoundError:  # the far side's copy was removed after sealing
         raise changed((size, sha256), None)
-    got = sha256_file(part)[::-1]
+    got = (os.path.getsize(part), digest.hexdigest())
     if got != (size, sha256):
         os.unlink(part)
         if not have:
             raise changed((size, sha256), got)
         progress.update(-got[0])  # the continued part was stale (the far file changed, then was put back?)
-        return get_resumable(fs, remote, local, size, sha256, progress, changed, watchdog)
+        return get_resumable(read_from, local, size, sha256, progress, changed)
     os.replace(part, local)
-
-
-def _append(fs: Any, remote: str, part: str, have: int, progress: Any) -> None:
-    """Stream the far file from offset `have` onto the end of `part`, in order.
-
-    In order, not with the filesystem's get_file: that one writes many blocks in parallel, so the
-    part an interrupted get_file leaves can have holes, and could not be continued.
-    """
-    progress.update(have)
-    with fs.open(remote, "rb") as src, open(part, "ab") as dst:
-        src.seek(have)
-        for chunk in iter(lambda: src.read(CHUNK), b""):
-            dst.write(chunk)
-            progress.update(len(chunk))
-        dst.flush()
-        os.fsync(dst.fileno())
+    manifest.remember(local, sha256)

@@ -39,7 +39,9 @@ if __name__ == "__main__":
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glob  # noqa: E402 (after the path is set)
+import importlib  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
@@ -47,7 +49,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
-from tether.remote import endings, machine, objects, progress, resume as resuming, scheduler  # noqa: E402
+from tether.remote import endings, machine, objects, progress, protocol, resume as resuming, scheduler  # noqa: E402
 from tether.remote import mapped as own_checkpoints  # noqa: E402
 from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
 from tether.remote.rundir import (  # noqa: E402
@@ -314,7 +316,7 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
     write_private(run_file(run_dir, "launch_env.json"), env)
     with open(run_file(run_dir, "launcher.log"), "ab") as log:
         daemon = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "run", run_dir],
+            [settings.get("python") or sys.executable, os.path.abspath(__file__), "run", run_dir],
             cwd=VERSION_DIR, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own session: a closed terminal or ssh channel is no signal
         )
@@ -461,54 +463,45 @@ def _is_our_launcher(pid: int, run_dir: str) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- sealing
+def reopen(run_dir: str) -> Dict[str, Any]:
+    """An ended run (not completed) becomes startable as its next attempt (tether.remote.resume)."""
+    return resuming.reopen(run_dir, _saved_checkpoint(run_dir, read_json(run_file(run_dir, "run.json")) or {}))
+
+
+def checkpoint(run_dir: str, named: Optional[str] = None) -> Dict[str, Any]:
+    """The run's latest checkpoint (or `named`): path, bytes, SHA-256, step."""
+    named = named or _saved_checkpoint(run_dir, read_json(run_file(run_dir, "run.json")) or {})
+    return resuming.checkpoint_info(run_dir, named)
+
+
+def remove(run_dir: str) -> Dict[str, Any]:
+    """Delete an ended run's folder (the object store stays); never a live run's."""
+    if not os.path.isdir(run_dir):
+        return {"outcome": "absent"}
+    if is_alive(run_dir):
+        return {"outcome": "alive"}
+    shutil.rmtree(run_dir)
+    return {"outcome": "removed"}
 
 
 # ---------------------------------------------------------------- command line
 
 
 def main(argv: List[str]) -> int:
-    command = argv[0]
-    args = [os.path.normpath(a) if a.startswith("/") else a for a in argv[1:]]
-    if command == "run":
-        return run(args[0])
-    if command == "send":
-        objects.send(args[0], json.loads(sys.stdin.read()), sys.stdout.buffer)
-        return 0
-    if command == "have":
-        result: Any = objects.have(args[0], sys.stdin.read().split())
-    elif command == "probe":
-        result = probe_all(args)
-    elif command == "start":
-        result = start(args[0], json.loads(sys.stdin.read() or "{}"))
-    elif command == "stop":
-        result = stop(args[0], float(args[1]))
-    elif command == "receive":
-        result = objects.receive(args[0], sys.stdin.buffer)
-    elif command == "materialize":
-        offered = sys.stdin.read()
-        result = objects.materialize(args[0], json.loads(offered) if offered.strip() else None)
-    elif command == "prune":
-        result = objects.prune(args[0])
-    elif command == "seal":
-        result = seal(args[0])
-    elif command == "reopen":
-        result = resuming.reopen(args[0], _saved_checkpoint(args[0], read_json(run_file(args[0], "run.json")) or {}))
-    elif command == "checkpoint":
-        named = args[1] if len(args) > 1 else _saved_checkpoint(args[0], read_json(run_file(args[0], "run.json")) or {})
-        result = resuming.checkpoint_info(args[0], named)
-    elif command == "submit":
-        result = scheduler.submit(args[0], json.loads(sys.stdin.read()))
-    elif command == "submit-array":
-        result = scheduler.submit_array(args[0], json.loads(sys.stdin.read()))
-    elif command == "cancel":
-        result = cancel(args[0], float(args[1]))
-    elif command == "check":
-        result = machine.check(json.loads(sys.stdin.read() or "{}"))
-    else:
-        print("unknown launcher command %r" % command, file=sys.stderr)
+    """`run RUN_DIR` (the detached launcher, a SLURM job), or any command of the table with its input
+    as JSON (`probe '{"run_dirs": [...]}'`): what the serve process answers, for a shell on the far side."""
+    if argv[:1] == ["run"] and len(argv) == 2:
+        return run(os.path.normpath(argv[1]))
+    if len(argv) not in (1, 2) or argv[0] not in protocol.COMMANDS:
+        print("usage: launcher.py run RUN_DIR | launcher.py COMMAND [JSON]; commands: %s"
+              % ", ".join(sorted(protocol.COMMANDS)), file=sys.stderr)
         return 2
-    print(json.dumps(result, sort_keys=True))
+    command = protocol.COMMANDS[argv[0]]
+    if command.takes_stream or command.gives_stream:
+        print("%s streams bytes: it is answered by serve only" % argv[0], file=sys.stderr)
+        return 2
+    function = getattr(importlib.import_module("tether.remote." + command.module), command.function)
+    print(json.dumps(function(**json.loads(argv[1] if len(argv) > 1 else "{}")), sort_keys=True))
     return 0
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -259,7 +260,14 @@ def _writable(folder: str) -> bool:
 
 
 def check(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """The preflight: Python, disk and inodes under remote_dir, GPUs and the chosen one, modules."""
+    """The preflight: Python, disk and inodes under remote_dir, GPUs and the chosen one, modules.
+
+    Asked of the run's interpreter (settings' `python`): when that is not this one (a venv built
+    from it), the same check runs there, so the modules found are the ones the trainer will see.
+    """
+    python = settings.get("python")
+    if python and not _is_this_python(python):
+        return _check_with(python, dict(settings, python=None))
     remote_dir = settings["remote_dir"]
     from tether.remote.owner import claim
 
@@ -278,6 +286,26 @@ def check(settings: Dict[str, Any]) -> Dict[str, Any]:
         torch_needed = "torch" in settings.get("require", []) and not report["missing_modules"]
         report.update(gpu_check(settings, torch_needed))
     return report
+
+
+def _is_this_python(python: str) -> bool:
+    found = shutil.which(python)
+    return found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)
+
+
+def _check_with(python: str, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The preflight asked of another interpreter (one more Python start, for `check` only)."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = ("import json, sys; sys.path.insert(0, %r); from tether.remote import machine; "
+              "print(json.dumps(machine.check(json.loads(sys.stdin.read()))))" % package)
+    try:
+        done = subprocess.run([python, "-c", script], input=json.dumps(settings), capture_output=True, text=True,
+                              timeout=600)
+    except FileNotFoundError:
+        raise ValueError("%s: no such interpreter on the far side" % python) from None
+    if done.returncode != 0:
+        raise ValueError("%s exited %d: %s" % (python, done.returncode, done.stderr.strip()[-500:]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def gpu_check(settings: Dict[str, Any], torch_needed: bool,

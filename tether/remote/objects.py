@@ -35,14 +35,28 @@ def object_path(objects_dir: str, sha256: str) -> str:
 
 def have(objects_dir: str, hashes: List[str]) -> List[str]:
     """The hashes in `hashes` the object store lacks (clearing partial uploads a killed push left)."""
-    for sha in hashes:
+    missing = [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
+    for sha in missing:
         for partial in glob.glob(object_path(objects_dir, sha) + ".tmp-*"):
             try:
                 if time.time() - os.stat(partial).st_mtime > STALE_UPLOAD_S:
                     os.unlink(partial)
             except FileNotFoundError:
                 pass
-    return [h for h in hashes if not os.path.exists(object_path(objects_dir, h))]
+    return missing
+
+
+def push(objects_dir: str, run_dir: str, files: List[Dict[str, Any]], peer: Any) -> Dict[str, Any]:
+    """One push: ask the client for the objects the store lacks, store its tar of them, build the run.
+
+    tree.json is recorded once (it never changes after), then code/, data/ and work/ are built.
+    """
+    hashes = sorted({f["sha256"] for f in files})
+    stored = receive(objects_dir, peer.ask({"need": have(objects_dir, hashes)}))
+    lacking = have(objects_dir, hashes)
+    if stored["bad"] or lacking:
+        return dict(stored, missing=lacking, built=[])
+    return dict(stored, missing=[], built=materialize(run_dir, {"files": files})["built"])
 
 
 def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -56,7 +70,7 @@ def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[
         atomic_write_json(os.path.join(run_dir, "tree.json"), offered)
     tree = read_json(os.path.join(run_dir, "tree.json"))
     objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
-    built = []
+    built, made = [], set()  # type: List[str], set
     for root in ROOTS:
         final = os.path.join(run_dir, root)
         if os.path.isdir(final):
@@ -68,13 +82,13 @@ def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[
             target = os.path.join(tmp, entry["path"])
             if (root == WORK or entry["root"] == root) and not os.path.lexists(target):
                 _place(object_path(objects_dir, entry["sha256"]), target, entry.get("mode", 0o644),
-                       entry["root"], frozen=(root == WORK))
+                       entry["root"], frozen=(root == WORK), made=made)
         os.replace(tmp, final)
         built.append(root)
     return {"built": built}
 
 
-def _place(source: str, target: str, mode: int, root: str, frozen: bool) -> None:
+def _place(source: str, target: str, mode: int, root: str, frozen: bool, made: set) -> None:
     """Put one file of the tree at `target`: code as a copy, data as a hard link to its read-only object.
 
     Code is copied (small, and it keeps its own mode: a link to a 0444 object would lose `x`); in
@@ -82,7 +96,10 @@ def _place(source: str, target: str, mode: int, root: str, frozen: bool) -> None
     Data is never copied per run: a hard link to the object, which is made read-only first, so a
     script writing into its data gets an error instead of corrupting a store other runs share.
     """
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    folder = os.path.dirname(target)
+    if folder not in made:
+        os.makedirs(folder, exist_ok=True)
+        made.add(folder)
     if root == "data":
         _read_only(source)
         try:
@@ -215,12 +232,13 @@ def receive(objects_dir: str, stream: IO[bytes]) -> Dict[str, Any]:
                 os.unlink(tmp)
                 bad.append(name)
                 continue
+            os.chmod(tmp, 0o444)  # read-only from the start: data/ links it, no run may write it
             os.replace(tmp, target)  # under its final name only once whole and checked
             stored += 1
     return {"stored": stored, "bad": bad}
 
 
-def send(run_dir: str, paths: List[str], stream: IO[bytes]) -> None:
+def send(run_dir: str, paths: List[str], stream: IO[bytes]) -> Dict[str, Any]:
     """Write the run's files named in `paths` (relative, inside the run dir) to `stream` as a tar."""
     root = os.path.realpath(run_dir)
     with tarfile.open(fileobj=stream, mode="w|") as tar:
@@ -229,3 +247,44 @@ def send(run_dir: str, paths: List[str], stream: IO[bytes]) -> None:
             if not full.startswith(root + os.sep):
                 raise ValueError("refusing %r: it leaves the run dir" % rel)
             tar.add(full, arcname=rel, recursive=False)
+    return {"sent": len(paths)}
+
+
+def _inside(root: str, rel: str) -> str:
+    """`rel` under `root`, refused if it leaves it."""
+    base = os.path.realpath(root)
+    full = os.path.realpath(os.path.join(base, rel))
+    if not full.startswith(base + os.sep):
+        raise ValueError("refusing %r: it leaves %s" % (rel, root))
+    return full
+
+
+def read_file(root: str, path: str, stream: IO[bytes], offset: int = 0, length: int = -1) -> Dict[str, Any]:
+    """Stream bytes [offset, offset + length) of root/path (length -1: to the end; a negative offset
+    counts from the end); its size now and where the bytes start."""
+    full = _inside(root, path)
+    with open(full, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        offset = max(0, size + offset) if offset < 0 else min(offset, size)
+        f.seek(offset)
+        left = size - offset if length < 0 else min(length, size - offset)
+        while left > 0:
+            chunk = f.read(min(CHUNK, left))
+            if not chunk:
+                break
+            stream.write(chunk)
+            left -= len(chunk)
+    return {"size": size, "start": offset}
+
+
+def put_file(root: str, path: str, peer: Any) -> Dict[str, Any]:
+    """Write the client's stream to root/path atomically (a temporary name, then rename)."""
+    full = _inside(root, path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    tmp = "%s.tmp-%d" % (full, os.getpid())
+    reader = peer.ask({})
+    with open(tmp, "wb") as out:
+        for chunk in iter(lambda: reader.read(CHUNK), b""):
+            out.write(chunk)
+    os.replace(tmp, full)
+    return {"bytes": os.path.getsize(full)}

@@ -127,7 +127,7 @@ class BackendContract:
             fs = backend.filesystem()
             code = TRAINER.encode()
             files = {sha256(code): code, sha256(DATA): DATA}
-            lacking = backend.launcher("have", f"{backend.remote_dir}/objects", stdin="\n".join(files).encode())
+            lacking = backend.far.have(f"{backend.remote_dir}/objects", list(files))
             for digest in lacking:
                 fs.makedirs(f"objects/{digest[:2]}", exist_ok=True)
                 fs.pipe_file(f"objects/{digest[:2]}/{digest}", files[digest])
@@ -140,8 +140,8 @@ class BackendContract:
             fs.makedirs(run.remote, exist_ok=True)
             fs.pipe_file(run.remote_file("tree.json"), json.dumps(tree).encode())
             fs.pipe_file(run.remote_file("run.json"), json.dumps(spec).encode())
-            built = backend.launcher("materialize", run.remote_abs)
-            assert sorted(built["built"]) == ["code", "data", "work"], built
+            built = backend.far.materialize(run.remote_abs)
+            assert sorted(built) == ["code", "data", "work"], built
             made.append(run)
             return run
 
@@ -237,7 +237,7 @@ class BackendContract:
         present, absent = sha256(data), sha256(data + b"!")
         fs.makedirs(f"objects/{present[:2]}", exist_ok=True)
         fs.pipe_file(f"objects/{present[:2]}/{present}", data)
-        lacking = backend.launcher("have", f"{backend.remote_dir}/objects", stdin=f"{present}\n{absent}\n".encode())
+        lacking = backend.far.have(f"{backend.remote_dir}/objects", [present, absent])
         assert lacking == [absent]
 
     # ------------------------------------------------------------ launch and state
@@ -334,4 +334,4 @@ class BackendContract:
         assert backend.state(run)["status"] == "absent"
         assert backend.teardown(run).startswith("already removed")
         code = TRAINER.encode()  # the object store outlives the run
-        assert backend.launcher("have", f"{backend.remote_dir}/objects", stdin=sha256(code).encode()) == []
+        assert backend.far.have(f"{backend.remote_dir}/objects", [sha256(code)]) == []

@@ -86,6 +86,5 @@ class TestLocalBackend(BackendContract):
         (decoy / "tether" / "remote" / "__init__.py").write_text("")
         (decoy / "tether" / "remote" / "launcher.py").write_text('print(\'{"decoy": true}\')\n')
         monkeypatch.chdir(decoy)
-        found = backend.launcher("check", stdin=json.dumps(backend.settings()).encode())
-        assert "decoy" not in found, "the launcher came from the working folder, not the copied version"
-        assert found["python_ok"] is True
+        found = backend.far.check(backend.settings())
+        assert found.python_ok is True, "the launcher came from the working folder, not the copied version"

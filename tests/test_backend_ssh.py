@@ -100,15 +100,15 @@ class TestSSHBackend(BackendContract):
             assert backend.check().ready
             server.stop()
             with pytest.raises(BackendError) as lost:  # tether's own error, never asyncssh's
-                backend.launcher("probe", f"{backend.remote_dir}/runs/none")
+                backend.far.probe([f"{backend.remote_dir}/runs/none"])
             assert "\n" not in str(lost.value)
             with pytest.raises(BackendError) as refused:
-                backend.launcher("probe", f"{backend.remote_dir}/runs/none")
+                backend.far.probe([f"{backend.remote_dir}/runs/none"])
             assert "cannot connect" in str(refused.value), refused.value
             server.start()
             backend.reconnect()
-            answer = backend.launcher("probe", f"{backend.remote_dir}/runs/none")
-            assert answer[f"{backend.remote_dir}/runs/none"]["status"] == "absent"
+            answer = backend.far.probe([f"{backend.remote_dir}/runs/none"])
+            assert answer[f"{backend.remote_dir}/runs/none"].status == "absent"
         finally:
             server.stop()
 

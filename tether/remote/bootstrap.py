@@ -54,7 +54,10 @@ def _install(remote_dir, version, source, out):
     os.makedirs(parent, mode=0o700, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="." + version + ".", dir=parent)
     _say(out, {"install": version})
-    tarfile.open(fileobj=_Chunks(source), mode="r|").extractall(tmp)
+    stream = _Chunks(source)
+    tarfile.open(fileobj=stream, mode="r|").extractall(tmp)
+    while stream.read(1 << 16):  # up to the stream's end marker (tarfile stops before it)
+        pass
     with open(os.path.join(tmp, "COMPLETE"), "w") as f:
         f.write(version)
     try:

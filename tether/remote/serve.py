@@ -56,6 +56,8 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
         return {"ok": False, "kind": kind, "error": text}
     if writer is not None:
         writer.close()
+    if peer.reader is not None:
+        peer.reader.drain()  # the stream's end marker (a tar reader stops before it)
     return {"ok": True, "result": result}
 
 

@@ -270,11 +270,6 @@ class Backend(BaseBackend):
 
         return isinstance(err, (BackendError, asyncssh.Error, ConnectionError, TimeoutError, EOFError))
 
-    def teardown(self, run: Any) -> str:
-        if self.config.keep_remote:
-            return f"kept {run.remote_abs} (keep_remote is true): nothing deleted"
-        return super().teardown(run)
-
 
 def ssh_command(cfg: Config) -> str:
     """The OpenSSH command that connects as tether does (the same host, port, user, key and files)."""

@@ -1,34 +1,167 @@
-"""PULL_MANIFEST (built on the far side) against pulled files: verify, record, re-check cheaply."""
+"""The manifest and the gate: PULL_MANIFEST parsed, saved, checked against pulled files; down's one gate."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shlex
 import time
 import zipfile
+from dataclasses import dataclass
+from typing import Any
 
-from tether.errors import ManifestError
+from tether.errors import ManifestError, RunError
 from tether.paths import RunPaths
-from tether.remote.fileio import atomic_write_json, read_json, sha256_file
+from tether.remote.fileio import atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from tether.remote.rundir import is_literal
 
 PART = ".part"  # a file being downloaded (tether.pipelines.transfer)
+SHA256 = re.compile(r"[0-9a-f]{64}")  # how the seal writes a digest (hexdigest: lowercase)
 
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class FileEntry:
+    """One sealed file: its path under the run dir, its size and its SHA-256."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A file the seal would not list (a link, one of tether's own files), and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A PULL_MANIFEST.json as the far side sealed it; `sha256` is that of its exact bytes."""
+
+    files: tuple[FileEntry, ...]
+    refused: tuple[Refused, ...]
+    missing: tuple[str, ...]  # declared artifacts that matched nothing
+    artifacts: tuple[str, ...]  # the roster the run was launched (and sealed) with
+    status: str | None  # the run's status when it was sealed
+    run_id: str | None
+    sha256: str
+
+    @classmethod
+    def parse(cls, data: bytes, where: str, fix: str) -> Manifest:
+        """The manifest in `data`; ManifestError naming `where`, what is wrong and `fix` when it is malformed."""
+        try:
+            return cls._parse(data)
+        except ValueError as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors too
+            raise ManifestError(f"{where} is not a valid manifest ({err}): {fix}") from None
+
+    @classmethod
+    def _parse(cls, data: bytes) -> Manifest:
+        raw = json.loads(data.decode())
+        if not isinstance(raw, dict) or not isinstance(raw.get("files"), list):
+            raise ValueError("no list of files")
+        files = tuple(_file_entry(e) for e in raw["files"])
+        paths = [e.path for e in files]
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"{sorted(p for p in set(paths) if paths.count(p) > 1)[0]} is listed twice")
+        refused = tuple(Refused(_text(e, "path"), _text(e, "reason")) for e in _list(raw, "refused", dict))
+        status, run_id = raw.get("status"), raw.get("run_id")
+        if not isinstance(status, (str, type(None))) or not isinstance(run_id, (str, type(None))):
+            raise ValueError("status and run_id must be strings")
+        return cls(files, refused, tuple(_list(raw, "missing", str)), tuple(_list(raw, "artifacts", str)),
+                   status, run_id, digest(data))
+
+    def by_path(self) -> dict[str, FileEntry]:
+        return {e.path: e for e in self.files}
+
+
+def _file_entry(entry: Any) -> FileEntry:
+    """One `files` item, checked: a non-empty path, a size of zero or more, a SHA-256 in hex."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"a files item is {type(entry).__name__}, not an object")
+    path, size, sha = _text(entry, "path"), entry.get("bytes"), entry.get("sha256")
+    if not path or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"files item {path!r} has no path or no size (bytes: {size!r})")
+    if not isinstance(sha, str) or not SHA256.fullmatch(sha):
+        raise ValueError(f"{path}: sha256 {sha!r} is not 64 hex digits")
+    return FileEntry(path, size, sha)
+
+
+def _text(entry: dict, key: str) -> str:
+    if not isinstance(entry, dict) or not isinstance(entry.get(key), str):
+        raise ValueError(f"an item lacks {key!r} as a string: {str(entry)[:80]}")
+    return entry[key]
+
+
+def _list(raw: dict, key: str, kind: type) -> list:
+    """`raw[key]` (absent: empty), a list of `kind`."""
+    found = raw.get(key, [])
+    if not isinstance(found, list) or not all(isinstance(x, kind) for x in found):
+        raise ValueError(f"{key} is not a list of {'objects' if kind is dict else 'strings'}")
+    return found
+
+
+def parse_far(run: RunPaths, data: bytes) -> Manifest:
+    """The far side's PULL_MANIFEST.json as fetched; ManifestError when it is malformed."""
+    return Manifest.parse(data, f"the far side's {run.remote_abs}/PULL_MANIFEST.json",
+                          f"only the far side's seal writes it, so something else changed it; remove it there, "
+                          f"then `doit pull run={run.run_id}` seals the ended run again")
+
+
+def read(run: RunPaths) -> Manifest:
+    """The local copy of the manifest; ManifestError when there is none or it is malformed."""
+    return _parse_local(run, _local_bytes(run))
+
+
 def load(run: RunPaths) -> tuple[dict, str]:
-    """The local copy of the manifest and its SHA-256; ManifestError when there is none."""
+    """The local copy of the manifest as a dict (checked like `read`) and its SHA-256, for dict-reading callers."""
+    data = _local_bytes(run)
+    return json.loads(data), _parse_local(run, data).sha256
+
+
+def _local_bytes(run: RunPaths) -> bytes:
     try:
         with open(run.manifest, "rb") as f:
-            data = f.read()
+            return f.read()
     except FileNotFoundError:
         raise ManifestError(f"run {run.run_id} has no pulled manifest: run `doit pull run={run.run_id}`")
-    return json.loads(data), digest(data)
+
+
+def _parse_local(run: RunPaths, data: bytes) -> Manifest:
+    return Manifest.parse(data, run.manifest, f"remove it, then `doit pull run={run.run_id}` fetches the far "
+                                              f"side's again")
+
+
+def save_pulled(run: RunPaths, data: bytes) -> str:
+    """Store the far side's manifest here atomically (tmp, fsync, rename, fsync of the folder).
+
+    One that differs from the copy here ends that copy's verification first; the answer is the
+    warning to show then ('' when the manifest is new or unchanged).
+    """
+    try:
+        with open(run.manifest, "rb") as f:
+            before = f.read()
+    except FileNotFoundError:
+        before = data
+    warning = ""
+    if before != data:
+        warning = (f"warning: the far side's PULL_MANIFEST.json changed since it was pulled here "
+                   f"(sha256 {digest(before)[:12]}, now {digest(data)[:12]}): pulling what it lists now")
+        forget(run)  # verified against the old manifest is not verified against this one
+    atomic_write_bytes(run.manifest, data)
+    return warning
+
+
+def left_remote(run: RunPaths) -> dict[str, str]:
+    """Manifest files the pull left on the far side on purpose, with the reason (from the pull stamp)."""
+    return (read_json(run.stamp("pull")) or {}).get("left", {})
 
 
 def local_files(run: RunPaths) -> set[str]:
@@ -105,10 +238,10 @@ def verify(run: RunPaths, left: dict[str, str] | None = None, declared: tuple[st
 
 def check(run: RunPaths, left: dict[str, str] | None = None, declared: tuple[str, ...] | None = None) -> dict:
     """What `verify` records, without writing anything; ManifestError naming every bad file."""
-    manifest, manifest_sha = load(run)
-    _check_produced(run, manifest, declared)
+    sealed = read(run)
+    _check_produced(run, sealed, declared)
     left = left or {}
-    listed = {entry["path"]: entry for entry in manifest["files"] if entry["path"] not in left}
+    listed = {path: entry for path, entry in sealed.by_path().items() if path not in left}
     present = local_files(run)
     partial = {path + PART for path in listed}  # an interrupted pull's file: the pull continues it
     extras = sorted(present - set(listed) - partial)
@@ -124,14 +257,14 @@ def check(run: RunPaths, left: dict[str, str] | None = None, declared: tuple[str
     if problems:
         raise ManifestError(f"run {run.run_id} failed verification ({len(problems)} of "
                             f"{len(listed)} files): " + "; ".join(problems) + ". " + _advice(run, refetch, extras))
-    verified = {"run_id": run.run_id, "manifest_sha256": manifest_sha, "files": record,
-                "bytes": sum(e["bytes"] for e in listed.values()), "verified_at": round(time.time(), 3),
-                "missing_declared": manifest.get("missing", []), "remote_only": left,
+    verified = {"run_id": run.run_id, "manifest_sha256": sealed.sha256, "files": record,
+                "bytes": sum(e.bytes for e in listed.values()), "verified_at": round(time.time(), 3),
+                "missing_declared": list(sealed.missing), "remote_only": left,
                 "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0)}
     return verified
 
 
-def unproduced(manifest: dict, declared: tuple[str, ...] | None = None) -> list[str]:
+def unproduced(sealed: Manifest, declared: tuple[str, ...] | None = None) -> list[str]:
     """The literal artifact names a completed run was declared to produce and did not: the contract.
 
     A glob that matched nothing is only a warning (pull prints it), and so is anything missing from a
@@ -139,15 +272,15 @@ def unproduced(manifest: dict, declared: tuple[str, ...] | None = None) -> list[
     `declared` (the config's artifacts now) lets a user who drops a name from `artifacts:` accept
     the run without it; None holds the run to the list its manifest was sealed with.
     """
-    if manifest.get("status") != "completed":
+    if sealed.status != "completed":
         return []
-    wanted = manifest.get("artifacts", []) if declared is None else declared
-    return [p for p in manifest.get("missing", []) if is_literal(p) and p in wanted]
+    wanted = sealed.artifacts if declared is None else declared
+    return [p for p in sealed.missing if is_literal(p) and p in wanted]
 
 
-def _check_produced(run: RunPaths, manifest: dict, declared: tuple[str, ...] | None) -> None:
+def _check_produced(run: RunPaths, sealed: Manifest, declared: tuple[str, ...] | None) -> None:
     """ManifestError naming each literal artifact the completed run did not produce."""
-    absent = unproduced(manifest, declared)
+    absent = unproduced(sealed, declared)
     if absent:
         said = "; ".join(f"artifact {name} was declared but the run did not produce it" for name in absent)
         raise ManifestError(
@@ -156,13 +289,13 @@ def _check_produced(run: RunPaths, manifest: dict, declared: tuple[str, ...] | N
             f"config to accept this run without it")
 
 
-def _problem(run: RunPaths, path: str, entry: dict, present: bool, notes: dict) -> str:
+def _problem(run: RunPaths, path: str, entry: FileEntry, present: bool, notes: dict) -> str:
     """What is wrong with one pulled file ('' when nothing): missing, other bytes, or unloadable."""
     if not present:
         return "missing"
     local = run.pulled(path)
     sha, size = hashed(local)
-    if size != entry["bytes"] or sha != entry["sha256"]:
+    if size != entry.bytes or sha != entry.sha256:
         return (f"{size} bytes, sha256 {sha[:12]}; the manifest says {entry['bytes']} bytes, "
                 f"sha256 {entry['sha256'][:12]}")
     bad = content_problem(local, notes)
@@ -232,3 +365,29 @@ def still_verified(run: RunPaths) -> bool:
     except FileNotFoundError:
         return False
     return local_files(run) == set(verified["files"])
+
+
+def gate_teardown(run: RunPaths, far: bytes | None, alive: bool, keep_remote: bool,
+                  declared: tuple[str, ...] | None) -> dict:
+    """The one gate before anything on the far side is deleted: PULL_VERIFIED.json's record, or an error.
+
+    `far`: the far side's PULL_MANIFEST.json bytes (None: it has none), `alive`: whether the run
+    is running there, `keep_remote`: nothing will be deleted, so files left there are no loss.
+    Refused, in this order: not verified here, a file here no longer matching (every file is
+    hashed again: a timestamp proves nothing), files left on the far side, the far manifest
+    changed since it was verified, the run still running.
+    """
+    if read_json(run.verified) is None:
+        raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
+                       f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
+    verified = verify(run, left_remote(run), declared)
+    if verified["remote_only"] and not keep_remote:
+        raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "
+                       f"on the far side ({', '.join(sorted(verified['remote_only']))}): fetch them first "
+                       f"(fetch_artifacts / max_artifact_mb, then `doit pull`), or set keep_remote: true")
+    if far is None or digest(far) != verified["manifest_sha256"]:  # sealed again after this side verified it
+        raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest changed after it was "
+                            f"verified here: `doit pull verify run={run.run_id}` fetches and checks what it lists now")
+    if alive:
+        raise RunError(f"refusing to tear down {run.run_id}: it is still running: `doit stop` first")
+    return verified

@@ -199,6 +199,11 @@ class Backend:
         """SIGTERM, then SIGKILL after grace_s; the outcome says honestly what happened."""
         return self.far.stop(run.remote_abs, grace_s)
 
+    @property
+    def keep_remote(self) -> bool:
+        """Whether `down` leaves the run dir where it is (ssh's keep_remote: true); `down` asks once."""
+        return bool(getattr(self.config, "keep_remote", False))
+
     def teardown(self, run: RunPaths) -> str:
         """Remove the run dir on the far side (the object store stays); idempotent; never a live run."""
         outcome = self.far.remove(run.remote_abs)

@@ -280,11 +280,6 @@ class Backend(BaseBackend):
             kinds += (sys.modules["asyncssh"].Error,)
         return isinstance(err, kinds)
 
-    def teardown(self, run: Any) -> str:
-        if self.config.keep_remote:
-            return f"kept {run.remote_abs} (keep_remote is true): nothing deleted"
-        return super().teardown(run)
-
 
 def _ssh_words(cfg: Connection) -> list[str]:
     """OpenSSH's options as tether connects: host keys verified, never a prompt, this config's files."""

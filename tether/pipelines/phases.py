@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from tether import manifest
 from tether.config import asdict
-from tether.errors import BackendError, ManifestError, RemoteCommandError, RunError
+from tether.errors import BackendError, RemoteCommandError, RunError
 from tether.paths import RunPaths
 from tether.pipelines import resuming, transfer
 from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
@@ -374,24 +374,26 @@ def pull(s: Session) -> str:
             return pull(s)
         raise RunError(f"run {run.run_id} is {snap.status} and has no manifest yet (it is sealed "
                        f"when the run ends): `doit run watch` waits for that")
-    listed = json.loads(data)
-    left = {e["path"]: s.backend.fetch_policy(e["path"], e["bytes"]) for e in listed["files"]}
+    listed = manifest.parse_far(run, data)
+    left = {e.path: s.backend.fetch_policy(e.path, e.bytes) for e in listed.files}
     left = {path: why for path, why in left.items() if why}
-    if verified is not None and manifest.digest(data) == verified["manifest_sha256"] \
+    if verified is not None and listed.sha256 == verified["manifest_sha256"] \
             and set(left) == set(verified["remote_only"]):  # a raised max_artifact_mb fetches what it left
         return f"{run.run_id}: already pulled and verified"
-    for entry in listed["files"]:
-        run.pulled(entry["path"])  # refuses absolute paths and `..` before anything is written
-    _store_manifest(run, data)
+    for entry in listed.files:
+        run.pulled(entry.path)  # refuses absolute paths and `..` before anything is written
+    warning = manifest.save_pulled(run, data)  # durably; a changed one ends the verification here
+    if warning:
+        print(warning)
     for path, why in sorted(left.items()):
         print(f"left on the far side: {path} ({why})")
-    todo = [e for e in listed["files"] if e["path"] not in left
-            and not transfer.matches(run.pulled(e["path"]), e["bytes"], e["sha256"])]
-    total = sum(e["bytes"] for e in todo)
+    todo = [e for e in listed.files if e.path not in left
+            and not transfer.matches(run.pulled(e.path), e.bytes, e.sha256)]
+    total = sum(e.bytes for e in todo)
     _fetch(s, run, todo, total)
-    write_stamp(run, "pull", manifest_sha256=manifest.digest(data), fetched=len(todo), bytes=total, left=left)
+    write_stamp(run, "pull", manifest_sha256=listed.sha256, fetched=len(todo), bytes=total, left=left)
     _warn_roster(s, listed)
-    return f"{run.run_id}: pulled {len(todo)} of {len(listed['files'])} files ({total} bytes)"
+    return f"{run.run_id}: pulled {len(todo)} of {len(listed.files)} files ({total} bytes)"
 
 
 def _far_manifest(s: Session, run: RunPaths) -> bytes | None:
@@ -402,24 +404,7 @@ def _far_manifest(s: Session, run: RunPaths) -> bytes | None:
         return None
 
 
-def _store_manifest(run: RunPaths, data: bytes) -> None:
-    """The far side's manifest, here; one that differs from the one here ends its verification."""
-    try:
-        with open(run.manifest, "rb") as f:
-            before = f.read()
-    except FileNotFoundError:
-        before = data
-    if before != data:
-        print(f"warning: the far side's PULL_MANIFEST.json changed since it was pulled here "
-              f"(sha256 {manifest.digest(before)[:12]}, now {manifest.digest(data)[:12]}): pulling what it lists now")
-        manifest.forget(run)  # verified against the old manifest is not verified against this one
-    os.makedirs(run.local, exist_ok=True)
-    with open(run.manifest + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(run.manifest + ".tmp", run.manifest)
-
-
-def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
+def _fetch(s: Session, run: RunPaths, todo: list[manifest.FileEntry], total: int) -> None:
     """Small files in tar batches, large ones resumably; every byte hashed as it lands, every wait bounded."""
     far, stall_s = s.backend.far, s.backend.stall_timeout_s
 
@@ -428,50 +413,45 @@ def _fetch(s: Session, run: RunPaths, todo: list[dict], total: int) -> None:
 
     with transfer.bar(total, "pull") as progress:
         for e in todo:
-            warning = "" if s.backend.config.max_artifact_mb else transfer.large_warning(e["path"], e["bytes"])
+            warning = "" if s.backend.config.max_artifact_mb else transfer.large_warning(e.path, e.bytes)
             if warning:
                 progress.write(warning, file=sys.stdout)
-        small = [e for e in todo if e["bytes"] <= transfer.SMALL]
-        for group in transfer.batches(small, lambda e: e["bytes"]):
+        small = [e for e in todo if e.bytes <= transfer.SMALL]
+        for group in transfer.batches(small, lambda e: e.bytes):
             pieces: list[bytes] = []
             try:
-                far.send(run.remote_abs, [e["path"] for e in group], pieces.append, stall_s)
+                far.send(run.remote_abs, [e.path for e in group], pieces.append, stall_s)
             except RemoteCommandError:
                 _gone(far, run, group, changed)  # a far file removed after sealing fails the whole `send`
                 raise
-            transfer.unpack(b"".join(pieces), {e["path"]: (run.pulled(e["path"]), e["bytes"], e["sha256"])
-                                               for e in group}, progress, changed)
+            transfer.unpack(b"".join(pieces), {e.path: (run.pulled(e.path), e.bytes, e.sha256) for e in group},
+                            progress, changed)
         for e in todo:
-            if e["bytes"] > transfer.SMALL:
-                def read_from(offset: int, write: Callable[[bytes], None], path: str = e["path"]) -> None:
+            if e.bytes > transfer.SMALL:
+                def read_from(offset: int, write: Callable[[bytes], None], path: str = e.path) -> None:
                     far.read(run.remote_file(path), write, offset, stall_s=stall_s)
 
-                transfer.get_resumable(read_from, run.pulled(e["path"]), e["bytes"], e["sha256"], progress,
-                                       lambda want, got, p=e["path"]: changed(p, want, got))
+                transfer.get_resumable(read_from, run.pulled(e.path), e.bytes, e.sha256, progress,
+                                       lambda want, got, p=e.path: changed(p, want, got))
 
 
-def _gone(far: Any, run: RunPaths, group: list[dict], changed: Callable[..., Exception]) -> None:
+def _gone(far: Any, run: RunPaths, group: list[manifest.FileEntry], changed: Callable[..., Exception]) -> None:
     """Raise `changed` for the first file of `group` that the far side no longer has."""
     for e in group:
         try:
-            far.read(run.remote_file(e["path"]), lambda chunk: None, 0, 0)
+            far.read(run.remote_file(e.path), lambda chunk: None, 0, 0)
         except FileNotFoundError:
-            raise changed(e["path"], (e["bytes"], e["sha256"]), None)
+            raise changed(e.path, (e.bytes, e.sha256), None)
 
 
-def _warn_roster(s: Session, listed: dict) -> None:
-    for entry in listed.get("refused", []):  # what the far side's seal would not list (links, tether's files)
-        print(f"warning: not pulled: {entry['path']}: {entry['reason']}")
-    if listed.get("missing"):  # a completed run's literal names among them also fail verify
-        print(f"warning: declared artifacts that the run did not produce: {', '.join(listed['missing'])}")
-    if sorted(listed.get("artifacts", [])) != sorted(s.job.artifacts):
+def _warn_roster(s: Session, listed: manifest.Manifest) -> None:
+    for entry in listed.refused:  # what the far side's seal would not list (links, tether's files)
+        print(f"warning: not pulled: {entry.path}: {entry.reason}")
+    if listed.missing:  # a completed run's literal names among them also fail verify
+        print(f"warning: declared artifacts that the run did not produce: {', '.join(listed.missing)}")
+    if sorted(listed.artifacts) != sorted(s.job.artifacts):
         print(f"warning: artifacts: in the config changed after this run was launched; its manifest "
-              f"lists {listed.get('artifacts')}")
-
-
-def left_remote(run: RunPaths) -> dict[str, str]:
-    """Manifest files the pull left on the far side on purpose, with the reason."""
-    return (read_json(run.stamp("pull")) or {}).get("left", {})
+              f"lists {list(listed.artifacts)}")
 
 
 def verify(s: Session) -> str:
@@ -480,7 +460,7 @@ def verify(s: Session) -> str:
     Always hashes every file again (the task has no up-to-date check): a timestamp proves nothing.
     """
     run = s.observed()
-    verified = manifest.verify(run, left_remote(run), s.job.artifacts)
+    verified = manifest.verify(run, manifest.left_remote(run), s.job.artifacts)
     loaded, found = verified["torch_loaded"], verified["torch_files"]
     torch = (f"; {loaded} torch checkpoint(s) loaded with weights_only=True" if loaded == found else
              f"; torch is not installed here, so {found} torch checkpoint(s) were checked by hash only "
@@ -493,29 +473,16 @@ def down(s: Session, confirm: bool) -> str:
     """Remove the far-side run dir, only once the results here are verified against its manifest."""
     run = s.observed()
     far = _far_manifest(s, run)
-    if far is None:
-        if s.snapshot(run, fresh=True).status == ABSENT:
-            return f"{run.run_id}: already removed: no action needed"
-        far = b""
-    verified = read_json(run.verified)
-    if verified is None:
-        raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
-                       f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
-    verified = manifest.verify(run, left_remote(run), s.job.artifacts)  # hash all again: a timestamp proves nothing
-    if verified["remote_only"] and not getattr(s.backend.config, "keep_remote", False):
-        raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "
-                       f"on the far side ({', '.join(sorted(verified['remote_only']))}): fetch them first "
-                       f"(fetch_artifacts / max_artifact_mb, then `doit pull`), or set keep_remote: true")
-    if manifest.digest(far) != verified["manifest_sha256"]:  # sealed again after this side verified it
-        raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest changed after it was "
-                            f"verified here: `doit pull verify run={run.run_id}` fetches and checks what it lists now")
-    if s.snapshot(run, fresh=True)["alive"]:
-        raise RunError(f"refusing to tear down {run.run_id}: it is still running: `doit stop` first")
+    snap = s.snapshot(run, fresh=True)
+    if far is None and snap.status == ABSENT:
+        return f"{run.run_id}: already removed: no action needed"
+    keep = s.backend.keep_remote  # decided here once: the gate and what happens after it
+    verified = manifest.gate_teardown(run, far, snap.alive, keep, s.job.artifacts)
     print(f"down will delete {run.remote_abs} on backend {s.job.backend} "
           f"({len(verified['files'])} verified files are kept in {run.files})")
     if not (confirm or _ask("delete it?")):
         raise RunError(f"not confirmed: nothing deleted. Add confirm=yes to tear down {run.run_id}")
-    outcome = s.backend.teardown(run)
+    outcome = f"kept {run.remote_abs} (keep_remote is true): nothing deleted" if keep else s.backend.teardown(run)
     write_stamp(run, "down", outcome=outcome)
     return f"{run.run_id}: {outcome}"
 

@@ -112,7 +112,7 @@ def load(folder: str) -> Recorded:
                        f"pass .tether/runs/ID after `doit run train`")
     run = RunPaths(check_run_id(spec["run_id"]), os.path.dirname(folder), "", folder=folder)
     try:
-        manifest.check(run, phases.left_remote(run))
+        manifest.check(run, manifest.left_remote(run))
     except Exception as err:
         raise RunError(f"refusing to reproduce {run.run_id}: its recorded folder {folder} does not match its "
                        f"manifest, so it is not what the run produced: {err}") from err

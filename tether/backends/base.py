@@ -8,32 +8,20 @@ behaves the same and is tested by the same contract suite.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import tether
 from tether.errors import BackendError, RemoteCommandError
 from tether.paths import RunPaths
 from tether.remote import owner
 from tether.remote.fileio import tar_bytes
+from tether.shipping import PACKAGE_ROOT, launcher_version, shipped_files
 
 if TYPE_CHECKING:
     from tether.pipelines.transfer import Watchdog
-
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
-SHIPPED = (  # what the far side needs: the launcher, the runtime and what they import
-    "tether/__init__.py", "tether/remote/__init__.py", "tether/remote/fileio.py",
-    "tether/remote/launcher.py", "tether/remote/machine.py", "tether/remote/objects.py",
-    "tether/remote/mapped.py",
-    "tether/remote/scheduler.py", "tether/remote/rundir.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
-    "tether/trainers/torch_classifier.py", "tether/trainers/torch_loop.py",
-    "tether/remote/owner.py", "tether/remote/progress.py", "tether/remote/workdir.py",
-    "tether/remote/endings.py", "tether/remote/resume.py",
-)
 
 
 OWNER = "tether/remote/owner.py"  # its source heads the install script: see UNPACK
@@ -64,15 +52,6 @@ def raise_refusal(err: RemoteCommandError) -> None:
     lines = [line for line in err.stderr_tail.splitlines() if owner.FIX in line and line.startswith("remote_dir ")]
     if lines:
         raise BackendError(lines[-1]) from None
-
-
-def launcher_version() -> str:
-    """A short hash of the shipped files: a changed launcher gets a new folder on the far side."""
-    digest = hashlib.sha256()
-    for rel in SHIPPED:
-        with open(os.path.join(PACKAGE_ROOT, rel), "rb") as f:
-            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
-    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -185,7 +164,7 @@ class Backend:
             return False
         except FileNotFoundError:
             pass
-        archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in SHIPPED])
+        archive = tar_bytes([(rel, os.path.join(PACKAGE_ROOT, rel)) for rel in shipped_files()])
         try:
             self._execute([self.base_python, "-c", unpack_script(), self.remote_dir, self.version], archive)
         except RemoteCommandError as err:

@@ -74,9 +74,9 @@ def oldest_python() -> str:
                               capture_output=True, text=True)
         if said.returncode == 0 and said.stdout.strip() == OLDEST:
             return candidate
-    pytest.fail(f"no Python {OLDEST} found (tried {candidates or 'nothing'}; looked in "
-                f"{', '.join(sorted(roots))}/versions and PATH): the far side supports {OLDEST}, so this test needs "
-                f"it; install one, e.g. `pyenv install {OLDEST}`")
+    places = ", ".join([f"{root}/versions" for root in sorted(roots)] + ["PATH"])
+    pytest.fail(f"no Python {OLDEST} found (tried {candidates or 'nothing'}; looked in {places}): the far side "
+                f"supports {OLDEST}, so this test needs it; install one, e.g. `pyenv install {OLDEST}`")
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +141,10 @@ def test_every_shipped_folder_is_a_package():
 
 def test_the_walk_takes_modules_only(tmp_path, monkeypatch):
     keep = ["tether/__init__.py", "tether/trainers/__init__.py", "tether/trainers/runtime.py",
-            "tether/remote/__init__.py", "tether/remote/a.py", "tether/remote/sub/__init__.py", "tether/remote/sub/b.py"]
-    leftovers = ["tether/remote/a.py.orig", "tether/remote/.#a.py", "tether/remote/a-copy.py", "tether/remote/notes.txt",
-                 "tether/remote/__pycache__/a.cpython-311.pyc", "tether/remote/.hidden/c.py", "tether/other.py"]
+            "tether/remote/__init__.py", "tether/remote/a.py", "tether/remote/sub/__init__.py",
+            "tether/remote/sub/b.py"]
+    leftovers = ["tether/remote/a.py.orig", "tether/remote/.#a.py", "tether/remote/a-copy.py", "tether/other.py",
+                 "tether/remote/notes.txt", "tether/remote/__pycache__/a.cpython-311.pyc", "tether/remote/.hidden/c.py"]
     for rel in keep + leftovers:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
@@ -154,5 +155,6 @@ def test_the_walk_takes_modules_only(tmp_path, monkeypatch):
 def test_scripts_still_import_the_runtime_by_its_old_name():
     from tether.trainers import runtime as old_name
 
+    assert old_name.__all__ == runtime.__all__  # a name added to the runtime is added to the re-export too
     assert {n: getattr(old_name, n) for n in runtime.__all__} == {n: getattr(runtime, n) for n in runtime.__all__}
     assert "tether/trainers/runtime.py" in shipped_files()

@@ -243,7 +243,7 @@ def test_report_without_matplotlib_says_how_to_install_it(tmp_path):
 def test_model_falls_back_to_a_weights_only_state_dict_without_safetensors(tmp_path):
     code = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = None\n"
             "import torch\n"
-            "from tether.trainers.torch_loop import save_model\n"
+            "from tether.remote.builtin.torch_classifier import save_model\n"
             f"print(save_model(torch.nn.Linear(3, 2), {str(tmp_path)!r}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     path = out.strip().splitlines()[-1]

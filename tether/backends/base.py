@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether.backends.channel import ChannelLost
 from tether.backends.farside import FarSide
-from tether.backends.shipping import launcher_version
+from tether.shipping import launcher_version
 from tether.errors import BackendError
 from tether.paths import RunPaths
 from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcome

@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from tether.backends.channel import Channel, ChannelLost, FarSideError, Stalled
-from tether.backends.shipping import bootstrap_script, package_tar
+from tether.shipping import bootstrap_script, package_tar
 from tether.errors import BackendError, RemoteCommandError
 from tether.remote.fileio import CHUNK
 from tether.remote.protocol import ChunkWriter

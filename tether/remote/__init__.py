@@ -1,1 +1,1 @@
-"""What is copied to the far side: stdlib only, Python >= 3.8."""
+"""The far-side package, shipped whole: stdlib only, Python >= 3.8 (builtin/ trainers add their own packages)."""

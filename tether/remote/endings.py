@@ -14,7 +14,7 @@ import os
 import signal
 from typing import Any, Dict, Optional
 
-from tether.trainers.runtime import PREEMPTED_EXIT
+from tether.remote.runtime import PREEMPTED_EXIT
 
 PREEMPTING = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")  # "checkpoint and exit": resumable by policy
 

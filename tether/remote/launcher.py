@@ -57,7 +57,7 @@ from tether.remote.rundir import (  # noqa: E402
     write_private,
 )
 from tether.remote.workdir import work_dir  # noqa: E402
-from tether.trainers.runtime import latest_checkpoint  # noqa: E402
+from tether.remote.runtime import latest_checkpoint  # noqa: E402
 
 HEARTBEAT_S = 2.0  # a few seconds: fresh enough for a 60 s timeout, cheap on shared storage
 ALREADY_RUNNING_EXIT = 3

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from tether.remote.fileio import atomic_write_json, read_json
 
+OLDEST_PYTHON = (3, 8)  # the oldest the far side supports; tests/test_far_package.py imports all of it there
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,utilization.gpu",
              "--format=csv,noheader,nounits"]
 CAPABILITY_QUERY = ["nvidia-smi", "--query-gpu=index,compute_cap", "--format=csv,noheader"]
@@ -273,7 +274,7 @@ def check(settings: Dict[str, Any]) -> Dict[str, Any]:
 
     claim(remote_dir)  # creates remote_dir, or refuses a folder tether does not own
     fs = os.statvfs(remote_dir)
-    report = {"python": "%d.%d.%d" % sys.version_info[:3], "python_ok": sys.version_info >= (3, 8),
+    report = {"python": "%d.%d.%d" % sys.version_info[:3], "python_ok": sys.version_info >= OLDEST_PYTHON,
               "executable": sys.executable, "writable": _writable(remote_dir),
               "free_mb": fs.f_bavail * fs.f_frsize // (1 << 20), "free_inodes": fs.f_favail,
               "host": os.uname()[1],

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tether.remote.fileio import fsync_dir
 from tether.remote.workdir import work_path
-from tether.trainers.runtime import CHECKPOINT_RE
+from tether.remote.runtime import CHECKPOINT_RE
 
 MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
 TEMPORARY = re.compile(r"\.tmp|\.partial$|\.incomplete$")  # names of writes that never finished

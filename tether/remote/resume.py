@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 from tether.remote.fileio import read_json, sha256_regular
 from tether.remote.rundir import FOR_GOOD, event, is_alive, is_final, now, run_file, update_state
-from tether.trainers.runtime import CHECKPOINT_RE
+from tether.remote.runtime import CHECKPOINT_RE
 
 def checkpoint_step(run_dir: str, relpath: Optional[str]) -> Optional[int]:
     """The training step a checkpoint holds: from the runtime's name, its `checkpoint` event, or the

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tether.remote import mapped
 from tether.remote.workdir import WORK, work_dir
 from tether.remote.fileio import atomic_write_json, read_json, sha256_regular
-from tether.trainers.runtime import latest_checkpoint
+from tether.remote.runtime import latest_checkpoint
 
 FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
 # Final is "ended, sealed, never relaunched by itself". Only `completed` stays so for ever: an explicit verb

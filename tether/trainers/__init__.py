@@ -1,1 +1,1 @@
-"""Trainers: the far-side runtime, the `command` trainer and the built-in ones."""
+"""Trainers, laptop side: each type's `Config` (the `trainer:` section); their far side is in tether.remote."""

@@ -1,18 +1,19 @@
 """The built-in `torch-classifier` trainer: a small MLP on a real dataset, resumable bit for bit.
 
-Locally, `Config` checks the `trainer:` section. On the far side this module runs as
-`python -m tether.trainers.torch_classifier` and reads its settings from run.json; the
-training itself lives in tether.trainers.torch_loop (imports torch only there).
+Here `Config` checks the `trainer:` section. The training itself is far-side code, shipped
+with the launcher: `python -m tether.remote.builtin.torch_classifier`, which reads its
+settings from run.json (and imports torch; nothing here does).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tether.remote.builtin.tables import read_table
+
+FAR_SIDE = "tether.remote.builtin.torch_classifier"  # the module the far side runs (`python -m`)
 LAYERS = ("linear", "relu", "gelu", "tanh", "dropout", "layernorm")  # "linear:64", "dropout:0.1"
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("cosine", "none")
@@ -57,7 +58,7 @@ class Config:
         return ("torch", "sklearn") if not self.data.path else ("torch",)
 
     def launch_spec(self) -> dict:
-        return {"argv": ["{python}", "-m", "tether.trainers.torch_classifier"], "resume_args": [],
+        return {"argv": ["{python}", "-m", FAR_SIDE], "resume_args": [],
                 "checkpoint_path": None, "env": {str(k): str(v) for k, v in self.env.items()}}
 
     def sweep_problems(self, keys: list[str]) -> list[str]:
@@ -110,31 +111,3 @@ def _number(spec: str) -> bool:
 def _covers(pushed: str, path: str) -> bool:
     pushed = pushed.rstrip("/")
     return path == pushed or path.startswith(pushed + "/")
-
-
-def read_table(path: str, label_column: str) -> tuple[list[str], list[dict]]:
-    """(feature columns, rows) of a CSV or JSONL file; ValueError naming what is wrong."""
-    with open(path, newline="") as f:
-        if path.endswith((".jsonl", ".ndjson")):
-            rows = [json.loads(line) for line in f if line.strip()]
-        else:
-            rows = list(csv.DictReader(f))
-    if not rows:
-        raise ValueError("the file is empty: it needs a header and at least one row")
-    if label_column not in rows[0]:
-        raise ValueError(f"no column {label_column!r}; columns: {', '.join(map(str, rows[0]))} "
-                         f"(set trainer.data.label_column)")
-    features = [c for c in rows[0] if c != label_column]
-    for number, row in enumerate(rows, 2):
-        for column in features:
-            try:
-                float(row[column])
-            except (TypeError, ValueError, KeyError):
-                raise ValueError(f"row {number}: column {column!r} is {row.get(column)!r}, not a number")
-    return features, rows
-
-
-if __name__ == "__main__":
-    from tether.trainers.torch_loop import main
-
-    main()

@@ -1,4 +1,7 @@
-"""The far-side training loop of `torch-classifier`: deterministic, checkpointed, resumable bit for bit.
+"""The far side of `torch-classifier`: a training loop, deterministic, checkpointed, resumable bit for bit.
+
+Run as `python -m tether.remote.builtin.torch_classifier` (the laptop's settings class is
+tether.trainers.torch_classifier.Config; this side reads them from run.json).
 
 Everything that decides the next batch or the next dropout mask is in the checkpoint: model,
 optimizer, scheduler, the RNG states of Python, NumPy and torch, and the step (which gives the
@@ -20,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tether.trainers import runtime
-from tether.trainers.torch_classifier import read_table
+from tether.remote import runtime
+from tether.remote.builtin.tables import read_table
 
 
 def settings() -> dict:
@@ -221,3 +224,7 @@ def finish(cfg: dict, model: nn.Module, x_val: torch.Tensor, y_val: torch.Tensor
             json.dump(content, f, indent=2, sort_keys=True)
     print(f"done: {step} steps, val_accuracy {val_accuracy:.4f}, wrote {os.path.basename(model_path)} "
           f"({time.time() - started:.1f}s this attempt)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

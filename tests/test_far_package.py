@@ -111,12 +111,29 @@ def test_the_built_in_trainers_import_from_the_copy_with_their_packages(far_copy
     assert found == {name: "ok" for name in TRAINER_PACKAGES}
 
 
-def test_the_copied_launcher_runs_as_the_backends_start_it(far_copy, tmp_path):
-    launcher = os.path.join(far_copy, "tether", "remote", "launcher.py")
-    done = subprocess.run([oldest_python(), "-S", "-I", launcher, "probe", str(tmp_path / "runs" / "none")],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert isinstance(json.loads(done.stdout.splitlines()[-1]), (list, dict))
+def test_the_far_side_installs_and_serves_on_the_oldest_python(tmp_path):
+    """The bootstrap as every backend starts it (`python -c SCRIPT REMOTE_DIR VERSION`), on Python 3.8:
+    it claims the folder, asks for the package, installs it, and answers requests."""
+    from tether.backends.channel import Channel
+    from tether.remote.protocol import ChunkWriter
+    from tether.shipping import bootstrap_script, launcher_version, package_tar
+
+    far = tmp_path / "far"
+    channel = Channel([oldest_python(), "-c", bootstrap_script(), str(far), launcher_version()])
+    try:
+        channel.timeout_s = 60
+        assert channel.message() == {"install": launcher_version()}
+        writer = ChunkWriter(channel)
+        writer.write(package_tar())
+        writer.close()
+        hello = channel.message()
+        assert hello["remote_dir"] == str(far) and hello["python"].startswith("3.8."), hello
+        answer = channel.request("probe", {"run_dirs": [str(far / "runs" / "none")]})
+        assert answer == {str(far / "runs" / "none"): {"status": "absent"}}
+    finally:
+        channel.close()
+    assert (far / "tether" / launcher_version() / "COMPLETE").read_text() == launcher_version()
+    assert (far / ".tether-remote").is_file()
 
 
 def test_what_ships_imports_only_the_stdlib_and_tether_remote():

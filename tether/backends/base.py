@@ -53,6 +53,7 @@ class Backend:
     min_free_mb = 500  # below this a run's checkpoints may not fit
     poll_interval_s = 2.0  # watch's slowest poll while nothing happens
     exit_grace_s = 0.0  # how long a vanished run may take to show its final state (shared storage)
+    opens_early = False  # start the serve process before the first request needs it (a slow connection)
     open_timeout_s = 120.0  # the far side's first word: its Python started (and the package installed)
 
     def __init__(self, name: str, config: Any, state_dir: str) -> None:

@@ -29,6 +29,7 @@ class FarSide:
     def __init__(self, backend: "Backend") -> None:
         self.backend = backend
         self._channel: Optional[Channel] = None
+        self._starting: Optional[Channel] = None  # spawned by open_soon, its hello not read yet
         self._pid = os.getpid()
         self.remote_dir: Optional[str] = None
         self.installed_now = False  # this invocation copied the far-side package there
@@ -40,12 +41,23 @@ class FarSide:
 
     def channel(self) -> Channel:
         if self._pid != os.getpid():
-            self._channel, self._pid = None, os.getpid()  # a forked worker opens its own
+            self._channel, self._starting, self._pid = None, None, os.getpid()  # a forked worker opens its own
         if self._channel is None:
             self._channel = self._open()
         return self._channel
 
-    def _open(self) -> Channel:
+    def open_soon(self) -> None:
+        """Start the serve process now, without waiting for it: the connection is made while this
+        side still hashes and decides (the first request reads its hello)."""
+        if self._pid != os.getpid():
+            self._channel, self._starting, self._pid = None, None, os.getpid()
+        if self._channel is None and self._starting is None:
+            try:
+                self._starting = self._spawn()
+            except BackendError:
+                pass  # the first request reports it
+
+    def _spawn(self) -> Channel:
         argv = self.backend.serve_argv(bootstrap_script(), self.backend.version)
         if os.environ.get("TETHER_TRACE"):
             print(f"[far {self.backend.where}] serve", file=sys.stderr)
@@ -54,6 +66,10 @@ class FarSide:
         except FileNotFoundError as err:
             raise BackendError(f"{argv[0]}: {err.strerror}: " + self.backend.missing_program_hint(argv[0])) from None
         self.starts += 1
+        return channel
+
+    def _open(self) -> Channel:
+        channel, self._starting = self._starting or self._spawn(), None
         channel.timeout_s = self.backend.open_timeout_s
         try:
             first = channel.message()

@@ -95,6 +95,7 @@ class Backend(BaseBackend):
     """A far side reached over ssh."""
 
     type = "ssh"
+    opens_early = True
 
     def __init__(self, name: str, config: Config, state_dir: str) -> None:
         super().__init__(name, config, state_dir)

@@ -127,7 +127,10 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
     def done(opener: Opener, check: Callable[[Session], bool]) -> Callable[[], bool]:
         def uptodate() -> bool:
             try:
-                return check(opener())
+                opened = opener()
+                if opened.backend.opens_early:
+                    opened.backend.far.open_soon()  # its connection is made while this side decides
+                return check(opened)
             except TetherError:
                 return False  # let the action run and report the error in full
         return uptodate

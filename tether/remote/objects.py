@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from stat import S_ISREG
 from typing import IO, Any, Callable, Dict, List, Optional
 
 from tether.remote import owner
-from tether.remote.fileio import CHUNK, atomic_write_json, read_json
+from tether.remote.fileio import CHUNK, atomic_write_bytes, read_json
 from tether.remote.workdir import WORK
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
@@ -67,10 +68,11 @@ def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[
     """
     os.makedirs(run_dir, exist_ok=True)
     if offered is not None and read_json(os.path.join(run_dir, "tree.json")) is None:
-        atomic_write_json(os.path.join(run_dir, "tree.json"), offered)
+        atomic_write_bytes(os.path.join(run_dir, "tree.json"), json.dumps(offered).encode())
     tree = read_json(os.path.join(run_dir, "tree.json"))
     objects_dir = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "objects")
-    built, made = [], set()  # type: List[str], set
+    ordered = sorted(tree["files"], key=lambda e: e["root"] != "data")  # in both trees: linked as data
+    built, made, locked = [], set(), set()  # type: List[str], set, set
     for root in ROOTS:
         final = os.path.join(run_dir, root)
         if os.path.isdir(final):
@@ -78,11 +80,16 @@ def materialize(run_dir: str, offered: Optional[Dict[str, Any]] = None) -> Dict[
         tmp = final + ".tmp-%d" % os.getpid()
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for entry in sorted(tree["files"], key=lambda e: e["root"] != "data"):  # in both trees: linked as data
-            target = os.path.join(tmp, entry["path"])
-            if (root == WORK or entry["root"] == root) and not os.path.lexists(target):
-                _place(object_path(objects_dir, entry["sha256"]), target, entry.get("mode", 0o644),
-                       entry["root"], frozen=(root == WORK), made=made)
+        placed = set()
+        for entry in ordered:
+            if (root == WORK or entry["root"] == root) and entry["path"] not in placed:
+                placed.add(entry["path"])
+                source = object_path(objects_dir, entry["sha256"])
+                if entry["root"] == "data" and source not in locked:
+                    _read_only(source)
+                    locked.add(source)
+                _place(source, tmp + "/" + entry["path"], entry.get("mode", 0o644), entry["root"],
+                       frozen=(root == WORK), made=made)
         os.replace(tmp, final)
         built.append(root)
     return {"built": built}
@@ -100,8 +107,7 @@ def _place(source: str, target: str, mode: int, root: str, frozen: bool, made: s
     if folder not in made:
         os.makedirs(folder, exist_ok=True)
         made.add(folder)
-    if root == "data":
-        _read_only(source)
+    if root == "data":  # the caller made the object read-only
         try:
             os.link(source, target)
             return

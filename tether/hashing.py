@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import os
+import re
+from typing import Any, Callable
 from dataclasses import dataclass
 
 from tether.remote.fileio import atomic_write_json, read_json, sha256_file
@@ -47,10 +50,18 @@ class HashCache:
             self.dirty = False
 
 
+@functools.lru_cache(maxsize=64)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
+    """One compiled regex for all the patterns (fnmatch's own translation; case as fnmatch.fnmatch on posix)."""
+    if not patterns:
+        return lambda text: None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
+
+
 def _excluded(relpath: str, patterns: tuple[str, ...]) -> bool:
-    parts = relpath.split("/")
-    return any(fnmatch.fnmatch(part, p) for p in patterns for part in parts) or any(
-        fnmatch.fnmatch(relpath, p) for p in patterns)
+    """Whether the path, or any of its parts, matches an exclude pattern."""
+    match = _matcher(patterns)
+    return bool(match(relpath)) or any(match(part) for part in relpath.split("/"))
 
 
 def _walk(project_root: str, path: str, patterns: tuple[str, ...]):

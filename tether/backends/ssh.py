@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -52,7 +53,8 @@ class Connection:
     max_artifact_mb: Optional[float] = None
     ssh_config: Optional[str] = None
     known_hosts: Optional[str] = None
-    stall_timeout_s: Optional[float] = 60.0  # a pull that moves no byte this long is ended (null: never)
+    stall_timeout_s: Optional[float] = 60.0  # a transfer that moves no byte this long is ended (null: never)
+    reuse_connection_s: float = 300.0  # OpenSSH keeps the connection this long for the next command (0: never)
 
     def problems(self) -> list[str]:
         found = []
@@ -300,8 +302,18 @@ def ssh_argv(cfg: Connection) -> list[str]:
     """The ssh command line of the serve channel (the command to run follows it)."""
     words = _ssh_words(cfg) + ["-T", "-o", f"ConnectTimeout={max(1, round(cfg.connect_timeout_s))}",
                                "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+    if cfg.reuse_connection_s > 0:  # the next invocation skips the handshake (as SkyPilot and Ansible do)
+        words += ["-o", "ControlMaster=auto", "-o", f"ControlPath={control_dir()}/%C",
+                  "-o", f"ControlPersist={max(1, round(cfg.reuse_connection_s))}"]
     words = [os.path.expanduser(w) if w.startswith("~/") else w for w in words]
     return words + [f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host]
+
+
+def control_dir() -> str:
+    """Where OpenSSH keeps tether's shared connections: a private folder, short enough for a socket path."""
+    folder = os.path.join(tempfile.gettempdir(), f"tether-ssh-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
 
 
 def ssh_command(cfg: Connection) -> str:

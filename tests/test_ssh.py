@@ -217,6 +217,32 @@ def test_train_then_down_over_ssh(project, sshd, far):
     assert "already removed" in twice.stdout, twice.stdout
 
 
+def test_a_whole_train_starts_two_far_side_pythons(project, sshd, far, tmp_path):
+    """One serve process per invocation and the detached launcher: every other far-side command of
+    up, push, launch, watch, pull and verify goes through that one process (counted by a wrapper
+    that logs each start of the far side's interpreter, then execs it under its own name)."""
+    log = tmp_path / "starts.log"
+    wrapper = tmp_path / "python"
+    wrapper.write_text("#!/bin/bash\n" "first=${1//$'\\n'/ } second=${2//$'\\n'/ }\n"
+                       f'echo "${{first:0:200}} ${{second:0:40}}" >> {log}\nexec -a "$0" {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    project.write_config(ssh_config_text(sshd, far, python=str(wrapper)))
+    train = project.doit("run", "train")
+    assert train.returncode == 0, out(train)
+
+    def tether_starts() -> list[str]:  # the trainer (demo/train.py) is the user's program, not tether's
+        return [line for line in log.read_text().splitlines() if "demo/train.py" not in line]
+
+    started = tether_starts()
+    assert len(started) == 2, started
+    assert sum(line.startswith("-c ") for line in started) == 1, started  # the serve process
+    assert sum(line.endswith("launcher.py run") for line in started) == 1, started  # the detached launcher
+    log.write_text("")
+    again = project.doit("run", "train", check=True)
+    assert ".  " not in again.stdout, again.stdout
+    assert len(tether_starts()) <= 1, tether_starts()  # a no-op: at most the serve process opened early
+
+
 def test_ssh_config_alias_alone_reaches_the_host(project, sshd, far, tmp_path):
     """`host: <alias>` + `ssh_config:` only: port, user, key and known hosts all come from the file."""
     alias = f"tether-lab-{uuid.uuid4().hex[:6]}"

@@ -21,6 +21,7 @@ from tether.remote.fileio import CHUNK, atomic_write_bytes, read_json
 from tether.remote.workdir import WORK
 
 PRUNE_MIN_AGE_S = 3600  # an object younger than this may belong to a push still in flight
+TAR_BUFFER = 1 << 16  # tarfile's stream buffer: 64 KiB moves a GiB 2x faster than its 10 KiB default
 STALE_UPLOAD_S = 600  # a partial upload this old belongs to a push that was killed
 ROOTS = ("code", "data", WORK)  # what materialize builds from tree.json, each once (work/ last)
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>
@@ -220,7 +221,7 @@ def _sha256_of(path: str) -> str:
 def receive(objects_dir: str, stream: IO[bytes]) -> Dict[str, Any]:
     """Store the files of a tar stream (each named by its SHA-256) as objects, checking every hash."""
     stored, bad = 0, []
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
+    with tarfile.open(fileobj=stream, mode="r|", bufsize=TAR_BUFFER) as tar:
         for member in tar:
             name = os.path.basename(member.name)
             if not member.isfile() or len(name) != 64 or name.strip("0123456789abcdef"):
@@ -247,7 +248,7 @@ def receive(objects_dir: str, stream: IO[bytes]) -> Dict[str, Any]:
 def send(run_dir: str, paths: List[str], stream: IO[bytes]) -> Dict[str, Any]:
     """Write the run's files named in `paths` (relative, inside the run dir) to `stream` as a tar."""
     root = os.path.realpath(run_dir)
-    with tarfile.open(fileobj=stream, mode="w|") as tar:
+    with tarfile.open(fileobj=stream, mode="w|", bufsize=TAR_BUFFER) as tar:
         for rel in paths:
             full = os.path.realpath(os.path.join(root, rel))
             if not full.startswith(root + os.sep):

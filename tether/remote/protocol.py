@@ -225,45 +225,55 @@ class ChunkReader:
 
     def __init__(self, source: IO[bytes]) -> None:
         self._chunks = read_chunks(source)
-        self._chunk, self._at, self._done = b"", 0, False
+        self._chunk, self._at, self._done = memoryview(b""), 0, False
 
     def read(self, size: int = -1) -> bytes:
-        parts = []
-        while size != 0 and not self._done:
-            if self._at == len(self._chunk):
-                self._chunk, self._at = next(self._chunks, b""), 0
-                self._done = not self._chunk
-                continue
-            end = len(self._chunk) if size < 0 else min(len(self._chunk), self._at + size)
-            parts.append(self._chunk[self._at:end])
-            size -= (end - self._at) if size > 0 else 0
-            self._at = end
+        if self._at == len(self._chunk) and not self._next():
+            return b""
+        if 0 <= size <= len(self._chunk) - self._at:  # the common case: within the chunk at hand
+            self._at += size
+            return self._chunk[self._at - size:self._at].tobytes()
+        parts = [self._chunk[self._at:].tobytes()]
+        got, self._at = len(parts[0]), len(self._chunk)
+        while (size < 0 or got < size) and self._next():
+            take = len(self._chunk) if size < 0 else min(len(self._chunk), size - got)
+            parts.append(self._chunk[:take].tobytes())
+            got, self._at = got + take, take
         return b"".join(parts)
+
+    def _next(self) -> bool:
+        """Move to the next chunk; False at the stream's end."""
+        if self._done:
+            return False
+        chunk = next(self._chunks, b"")
+        self._chunk, self._at, self._done = memoryview(chunk), 0, not chunk
+        return bool(chunk)
 
     def drain(self) -> None:
         """Read what the sender still sends (a command that stopped early must not desync the channel)."""
-        while not self._done:
-            self.read(MAX_CHUNK)
+        while self._next():
+            pass
 
 
 class ChunkWriter:
     """A file whose writes go out as chunks of up to MAX_CHUNK bytes; close() ends the stream."""
 
     def __init__(self, out: IO[bytes]) -> None:
-        self._out, self._pending, self._size = out, [], 0
+        self._out, self._buffer = out, bytearray()
 
     def write(self, data: bytes) -> int:
-        self._pending.append(bytes(data))
-        self._size += len(data)
-        if self._size >= MAX_CHUNK:
+        self._buffer += data
+        if len(self._buffer) >= MAX_CHUNK:
             self._send()
         return len(data)
 
     def _send(self) -> None:
-        data, self._pending, self._size = b"".join(self._pending), [], 0
-        for start in range(0, len(data), MAX_CHUNK):
-            part = data[start:start + MAX_CHUNK]
-            self._out.write(CHUNK_HEADER.pack(len(part)) + part)
+        with memoryview(self._buffer) as view:
+            for start in range(0, len(view), MAX_CHUNK):
+                part = view[start:start + MAX_CHUNK]
+                self._out.write(CHUNK_HEADER.pack(len(part)))
+                self._out.write(part)
+        self._buffer = bytearray()
 
     def flush(self) -> None:
         self._send()

@@ -159,6 +159,7 @@ class Channel:
                 if answer is not None:
                     answer(reply["ask"], writer)
                 writer.close()
+                self.timeout_s = None  # what follows is the far side's own work (building a snapshot)
             elif reply.get("stream"):
                 for chunk in protocol.read_chunks(self):  # type: ignore[arg-type]
                     if receive is not None:

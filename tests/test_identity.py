@@ -80,6 +80,7 @@ def test_the_job_hash_of_each_sweep_point_is_pinned(tiny):
 def test_the_job_hash_of_a_reproduction_is_pinned(tiny):
     from tether.paths import RunPaths
     from tether.pipelines import repro
+    from tether.pipelines.runs import RECORD_FIELDS
 
     s = open_session(tiny)
     run = s.run()
@@ -88,5 +89,5 @@ def test_the_job_hash_of_a_reproduction_is_pinned(tiny):
     recorded = repro.Recorded(RunPaths(RECORDED_ID, s.state_dir, ""), dict(spec, run_id=RECORDED_ID), tree, {})
     again = repro.session_for(s, recorded)
     assert again.tree_hashes == s.tree_hashes
-    assert dict(again.launch_spec) == {k: v for k, v in spec.items() if k not in repro.RECORD_FIELDS}
+    assert dict(again.launch_spec) == {k: v for k, v in spec.items() if k not in RECORD_FIELDS}
     assert again.job_hash == REPRO_HASH

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,84 @@ def test_the_job_hash_of_a_reproduction_is_pinned(tiny):
     assert again.tree_hashes == s.tree_hashes
     assert dict(again.launch_spec) == {k: v for k, v in spec.items() if k not in RECORD_FIELDS}
     assert again.job_hash == REPRO_HASH
+
+
+# ---------------------------------------------------------------- the pieces a Session composes
+
+
+def test_an_identity_cannot_be_changed_by_whoever_holds_it(tiny):
+    import dataclasses
+
+    s = open_session(tiny)
+    ident = s.identity
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ident.job_hash = "0" * 64  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ident.launch_spec["argv"] = ["other"]  # type: ignore[index]
+    spec = s.launch_spec  # a copy: changing it changes nothing that is hashed or recorded
+    spec["argv"].append("--more")
+    spec["trainer"]["command"] = "other"
+    assert s.launch_spec == dict(ident.launch_spec) and s.job_hash == PLAIN_HASH
+    assert s.identity is ident  # built once
+
+
+def test_sweep_points_share_the_hashed_files_and_one_snapshot_cache(tiny):
+    (tiny / "tether.yaml").write_text(CONFIG + SWEEP)
+    s = open_session(tiny)
+    points = s.points
+    assert all(p.entries is s.entries for p in points)  # hashed once, for every point
+    assert points[0].snapshots is points[1].snapshots and points[0].snapshots is not s.snapshots
+    assert all(p.siblings is points for p in points)
+
+
+def test_one_poll_also_refreshes_the_followed_runs_in_flight(tmp_path):
+    from tether.paths import RunPaths
+    from tether.pipelines.runs import SnapshotCache
+
+    class Backend:
+        def __init__(self) -> None:
+            self.polls: list[list[str]] = []
+
+        def states(self, runs: list[RunPaths]) -> dict[str, dict]:
+            self.polls.append([r.run_id for r in runs])
+            return {r.run_id: {"status": "running"} for r in runs}
+
+    class Resolver:  # what the cache asks of a RunResolver
+        def __init__(self, run_id: str, launched: bool) -> None:
+            self.run = RunPaths(run_id, str(tmp_path), "")
+            if launched:
+                os.makedirs(self.run.local, exist_ok=True)
+                Path(self.run.stamp("launch")).write_text("{}")
+
+        def current(self) -> RunPaths:
+            return self.run
+
+    backend = Backend()
+    cache = SnapshotCache(backend)  # type: ignore[arg-type]
+    a, b, c = Resolver("a-1", True), Resolver("b-1", True), Resolver("c-1", False)
+    for one in (a, b, c):
+        cache.follow(one)  # type: ignore[arg-type]
+    assert cache.snapshot(a.run) == {"status": "running"}
+    assert backend.polls == [["a-1", "b-1"]]  # c was never launched: not polled
+    cache.snapshot(b.run)
+    assert len(backend.polls) == 1  # cached by the first poll
+    cache.forget(b.run)
+    cache.snapshot(b.run)
+    assert backend.polls[-1] == ["b-1", "a-1"]
+    assert set(cache.states) == {"a-1", "b-1"}
+
+
+def test_a_recorded_spec_needs_the_run_it_reproduces(tiny):
+    from tether.pipelines.session import Session
+
+    s = open_session(tiny)
+    with pytest.raises(ValueError):
+        Session(s.job, s.backend, s.state_dir, spec=s.launch_spec)
+
+
+def test_no_module_writes_another_objects_dict():
+    """Cached values are given through constructors, never written into another object's __dict__."""
+    package = Path(__file__).resolve().parent.parent / "tether"
+    writes = re.compile(r"__dict__\s*(\.update\b|\.setdefault\b|\[[^]]*\]\s*=[^=])")
+    found = [str(p) for p in package.rglob("*.py") if writes.search(p.read_text())]
+    assert found == []

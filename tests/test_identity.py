@@ -37,9 +37,10 @@ PLAIN_HASH = "d3e4f8d26744a4c8bf4dae51ae241ffd27ab49477b979f66d015799edd4fd579"
 POINT_HASHES = ["09ca09fb47306fabb7da05fa116e1358323a103aba9a8a1d120007059e0027d9",
                 "30933026a9437243a8b704f0d2bc41dcf6a8268e6052ba842ae09162d4fd778c"]
 REPRO_HASH = "9ac925d3fa156e749560a954f4e5b5e3a55321e72567ca67c6de5ec54683efde"
-RECORD_KEYS = ["argv", "artifacts", "backend", "backend_type", "checkpoint_every", "checkpoint_keep", "checkpoint_path",
-               "code_hash", "config", "created_at", "created_on", "data_hash", "env", "grace_seconds", "job_hash", "name",
-               "restart", "resume_args", "run_id", "tether_package", "tether_version", "trainer"]
+RECORD_KEYS = ["argv", "artifacts", "backend", "backend_type", "checkpoint_every", "checkpoint_keep",
+               "checkpoint_path", "code_hash", "config", "created_at", "created_on", "data_hash", "env",
+               "grace_seconds", "job_hash", "name", "restart", "resume_args", "run_id", "tether_package",
+               "tether_version", "trainer"]
 RECORDED_ID = "pinned-20240101T000000Z-00000000"  # the run a reproduction names (its repro_of)
 
 

@@ -158,7 +158,7 @@ def session_for(s: Session, recorded: Recorded) -> Session:
     params = spec.get("params")
     again = Session(job, s.backend, s.state_dir, s.variables, repro_of=recorded.run.run_id,
                     point=Point(tuple(params.items())) if params else None,
-                    files=files_for(s, recorded), spec=recorded_spec(spec))
+                    hashed=files_for(s, recorded), spec=recorded_spec(spec))
     if again.tree_hashes != {"code": spec.get("code_hash"), "data": spec.get("data_hash")}:
         raise RunError(f"{recorded.run.run_id}: tree.json does not give the code and data hashes its run.json "
                        f"records: the record is inconsistent")

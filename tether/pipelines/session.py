@@ -81,7 +81,7 @@ def open_backend(job: Job, state_dir: str) -> Backend:
 class Session:
     """The job, the backend, its identity and its run, shared by every task of one invocation.
 
-    `files` and `spec` are given where they are known already: a sweep point gets the whole job's
+    `hashed` and `spec` are given where they are known already: a sweep point gets the whole job's
     hashed files; a reproduction the recorded files and launch spec (tether.pipelines.repro).
     """
 
@@ -92,7 +92,7 @@ class Session:
     point: Optional[sweep.Point] = None  # this session is one point of the job's sweep
     siblings: list["Session"] = field(default_factory=list)  # every point's session, when it is
     repro_of: Optional[str] = None  # this session re-runs that recorded run (tether.pipelines.repro)
-    files: Optional[Sequence[Entry]] = None  # the hashed code and data; None: scanned on first use
+    hashed: Optional[Sequence[Entry]] = None  # the code and data files, hashed; None: scanned on first use
     spec: Optional[Mapping[str, Any]] = None  # a reproduction's launch spec, as its run.json records it
     cache: InitVar[Optional[SnapshotCache]] = None  # a sweep's shared one; None: a cache of its own
     snapshots: SnapshotCache = field(init=False, repr=False)
@@ -127,7 +127,7 @@ class Session:
         found: list[Session] = []  # each point's siblings: this very list, complete after the loop
         for p in sweep.points(self.job.sweep):
             found.append(Session(sweep.job_for(self.job, p), self.backend, self.state_dir, self.variables, point=p,
-                                 siblings=found, files=files, cache=shared))
+                                 siblings=found, hashed=files, cache=shared))
         for one in found:
             shared.follow(one.resolver)
         return found
@@ -141,7 +141,7 @@ class Session:
     @functools.cached_property
     def entries(self) -> tuple[Entry, ...]:
         """The job's code and data files, hashed: the given ones, else scanned once."""
-        return tuple(self.files) if self.files is not None else identity_mod.scan(self.job, self.state_dir)
+        return tuple(self.hashed) if self.hashed is not None else identity_mod.scan(self.job, self.state_dir)
 
     @functools.cached_property
     def identity(self) -> JobIdentity:

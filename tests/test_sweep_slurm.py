@@ -289,10 +289,11 @@ def test_one_poll_of_a_sweep_is_one_command_and_one_squeue(project, cluster, rem
     assert "-r" in words, polled
     assert sorted(words[words.index("-j") + 1].split(",")) == sorted(r["job_id"] for r in records.values()), polled
 
-    cache = points[0]._snapshots
+    shared = points[0].snapshots
+    cache = shared.states
     assert set(cache) == set(runs), "the poll must refresh every point in flight"
     for other in points:
-        assert other._snapshots is cache  # one cache shared by the sweep's points
+        assert other.snapshots is shared  # one cache shared by the sweep's points
     states = {}
     for run_id, snap in cache.items():
         assert snap["job_id"] == records[run_id]["job_id"], (run_id, snap)

@@ -21,7 +21,8 @@ from tether.errors import ConfigError, RunError
 from tether.hashing import Entry
 from tether.paths import RunPaths, check_run_id
 from tether.pipelines import phases, transfer
-from tether.pipelines.session import RECORD_FIELDS, Session
+from tether.pipelines.runs import recorded_spec
+from tether.pipelines.session import Session
 from tether.remote.fileio import read_json, sha256_file
 from tether.sweep import Point
 from tether.trainers.registry import TRAINER_TYPES
@@ -156,9 +157,8 @@ def session_for(s: Session, recorded: Recorded) -> Session:
                               restart=Restart(**spec["restart"]), sweep={})
     params = spec.get("params")
     again = Session(job, s.backend, s.state_dir, s.variables, repro_of=recorded.run.run_id,
-                    point=Point(tuple(params.items())) if params else None)
-    entries = files_for(s, recorded)
-    again.__dict__.update(entries=entries, launch_spec={k: v for k, v in spec.items() if k not in RECORD_FIELDS})
+                    point=Point(tuple(params.items())) if params else None,
+                    hashed=files_for(s, recorded), spec=recorded_spec(spec))
     if again.tree_hashes != {"code": spec.get("code_hash"), "data": spec.get("data_hash")}:
         raise RunError(f"{recorded.run.run_id}: tree.json does not give the code and data hashes its run.json "
                        f"records: the record is inconsistent")

@@ -1,39 +1,31 @@
-"""One invocation's view: the job, its backend, and which run each task works on.
+"""One invocation's view: the job, its backend, its identity, its run and the far side's state.
 
-The run is resolved lazily, when a task first asks: `run=ID` if given; else the run this exact
-job (code + data + run config + backend) already has; else, for `push` and later phases, a newly
-minted id, and for observers (`pull`, `status`, ...), the latest run of this config and backend.
-Because `push` records the run before anything is sent, every later phase of `train` finds it.
-A sweep has one Session per point (`points`), sharing the backend and the far-side snapshots.
+`Session` composes the pieces the phases use: the job's frozen identity (tether.pipelines.identity,
+built on first use), its run resolver and a snapshot cache (tether.pipelines.runs). A sweep has
+one Session per point (`points`), sharing the backend, the hashed files and one snapshot cache.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-import hashlib
-import json
 import os
-import socket
-import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
-import tether
 from tether import config as config_mod
 from tether import sweep
 from tether.backends import BACKEND_TYPES
 from tether.backends.base import Backend
-from tether.config import Job, asdict, changed_fields, suggest
+from tether.config import Job, suggest
 from tether.errors import ConfigError, RunError
-from tether.hashing import Entry, HashCache, tree, tree_hash
-from tether.paths import RunPaths, check_run_id, mint_run_id, runs_dir
-from tether.remote.fileio import atomic_write_json, read_json
+from tether.hashing import Entry
+from tether.paths import RunPaths, check_run_id
+from tether.pipelines import identity as identity_mod
+from tether.pipelines.identity import JobIdentity
+from tether.pipelines.runs import RunResolver, SnapshotCache
 
 VARIABLES = ("config", "backend", "run", "confirm", "json", "strict", "tolerance", "retry", "resume_from")
-# What run.json holds besides the launch spec (so the spec can be read back out of a record).
-RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_hash", "code_hash", "data_hash",
-                 "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of")
-
 
 BOOLEANS = ("confirm", "json", "strict", "retry")  # the variables that say yes or no
 YES, NO = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
@@ -87,7 +79,11 @@ def open_backend(job: Job, state_dir: str) -> Backend:
 
 @dataclass
 class Session:
-    """The job, the backend and the run resolution shared by every task of one invocation."""
+    """The job, the backend, its identity and its run, shared by every task of one invocation.
+
+    `hashed` and `spec` are given where they are known already: a sweep point gets the whole job's
+    hashed files; a reproduction the recorded files and launch spec (tether.pipelines.repro).
+    """
 
     job: Job
     backend: Backend
@@ -96,7 +92,18 @@ class Session:
     point: Optional[sweep.Point] = None  # this session is one point of the job's sweep
     siblings: list["Session"] = field(default_factory=list)  # every point's session, when it is
     repro_of: Optional[str] = None  # this session re-runs that recorded run (tether.pipelines.repro)
-    _run: Optional[RunPaths] = None
+    hashed: Optional[Sequence[Entry]] = None  # the code and data files, hashed; None: scanned on first use
+    spec: Optional[Mapping[str, Any]] = None  # a reproduction's launch spec, as its run.json records it
+    cache: InitVar[Optional[SnapshotCache]] = None  # a sweep's shared one; None: a cache of its own
+    snapshots: SnapshotCache = field(init=False, repr=False)
+    resolver: RunResolver = field(init=False, repr=False)
+
+    def __post_init__(self, cache: Optional[SnapshotCache]) -> None:
+        if self.spec is not None and not self.repro_of:
+            raise ValueError("a recorded launch spec belongs to a reproduction: give repro_of too")
+        self.snapshots = cache if cache is not None else SnapshotCache(self.backend)
+        self.resolver = RunResolver(self.job, self.backend, self.state_dir, lambda: self.identity,
+                                    self.variables.get("run"), self.point, self.repro_of)
 
     @classmethod
     def open(cls, variables: dict[str, str], cwd: str = ".", files: bool = True) -> "Session":
@@ -116,12 +123,13 @@ class Session:
         hashed files and one cache of far-side snapshots, so a poll reads every point at once."""
         if not self.job.sweep:
             return []
-        found = [Session(sweep.job_for(self.job, p), self.backend, self.state_dir, self.variables, point=p)
-                 for p in sweep.points(self.job.sweep)]
-        shared: dict[str, dict] = {}
+        files, shared = self.entries, SnapshotCache(self.backend)
+        found: list[Session] = []  # each point's siblings: this very list, complete after the loop
+        for p in sweep.points(self.job.sweep):
+            found.append(Session(sweep.job_for(self.job, p), self.backend, self.state_dir, self.variables, point=p,
+                                 siblings=found, hashed=files, cache=shared))
         for one in found:
-            one.__dict__.update(entries=self.entries, _snapshots=shared)
-            one.siblings = found
+            shared.follow(one.resolver)
         return found
 
     @property
@@ -131,144 +139,67 @@ class Session:
     # ------------------------------------------------------------ what this job is
 
     @functools.cached_property
-    def entries(self) -> list[Entry]:
-        cache = HashCache(os.path.join(self.state_dir, "hashcache.json"))
-        found = (tree("code", self.job.root, self.job.code.paths, self.job.code.exclude, cache)
-                 + tree("data", self.job.root, self.job.data.paths, self.job.data.exclude, cache))
-        os.makedirs(self.state_dir, exist_ok=True)
-        cache.save()
-        return found
+    def entries(self) -> tuple[Entry, ...]:
+        """The job's code and data files, hashed: the given ones, else scanned once."""
+        return tuple(self.hashed) if self.hashed is not None else identity_mod.scan(self.job, self.state_dir)
 
     @functools.cached_property
+    def identity(self) -> JobIdentity:
+        """Built once, on first use: a reproduction's from its recorded spec, else from the config
+        (with `resume_from=`, the source run's checkpoint, looked up on the far side, is part of it)."""
+        if self.spec is not None:
+            return identity_mod.reproduction(self.job, self.entries, self.spec, self.repro_of or "")
+        source = None
+        if self.variables.get("resume_from") and not self.repro_of:
+            from tether.pipelines import resuming  # it works on a Session: a layer above this one
+
+            source = resuming.source(self, self.variables["resume_from"])
+        return identity_mod.identify(self.job, self.entries, self.point, source, self.repro_of)
+
+    @property
     def launch_spec(self) -> dict:
-        """What the launcher needs (stored in run.json); everything in it is part of the run's identity."""
-        spec = self.job.trainer.launch_spec()
-        spec.update(checkpoint_keep=self.job.checkpoint.keep, checkpoint_every=self.job.checkpoint.every,
-                    grace_seconds=self.job.grace_seconds, trainer=asdict(self.job.trainer),
-                    restart=asdict(self.job.restart))
-        if self.point:
-            spec["params"] = self.point.values
-        if self.variables.get("resume_from") and not self.repro_of:  # a repro's spec is the recorded one
-            from tether.pipelines import resuming
+        """What the launcher needs (stored in run.json): a copy of the identity's, yours to change."""
+        return copy.deepcopy(dict(self.identity.launch_spec))
 
-            spec["resume_from"] = resuming.source(self, self.variables["resume_from"])  # part of the identity
-        return spec
+    @property
+    def tree_hashes(self) -> dict[str, Optional[str]]:
+        return dict(self.identity.tree_hashes)
 
-    @functools.cached_property
-    def tree_hashes(self) -> dict[str, str | None]:
-        """SHA-256 of the code tree and of the data tree (None when nothing is pushed)."""
-        found = {}
-        for root in ("code", "data"):
-            entries = [e for e in self.entries if e.root == root]
-            found[root] = tree_hash(entries) if entries else None
-        return found
-
-    @functools.cached_property
+    @property
     def job_hash(self) -> str:
-        launch = dict(self.launch_spec, trainer=changed_fields(self.job.trainer),  # defaults are no identity
-                      restart=changed_fields(self.job.restart))
-        parts = {"name": self.job.name, "backend": self.job.backend, **self.tree_hashes, "launch": launch}
-        if self.repro_of:
-            parts["repro_of"] = self.repro_of  # a reproduction is a run of its own, never the original
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        return self.identity.job_hash
 
-    # ------------------------------------------------------------ which run
+    # ------------------------------------------------------------ which run, and its far-side state
 
     def paths(self, run_id: str) -> RunPaths:
-        return RunPaths(run_id, self.state_dir, self.backend.remote_dir)
-
-    def known_runs(self) -> list[dict]:
-        """run.json of every local run of this config and backend, oldest first."""
-        found = []
-        folder = runs_dir(self.state_dir)
-        for run_id in os.listdir(folder) if os.path.isdir(folder) else ():
-            record = read_json(os.path.join(folder, run_id, "run.json"))
-            if (record and record.get("config") == self.job.source and record.get("backend") == self.job.backend
-                    and record.get("params") == self.params and record.get("repro_of") == self.repro_of):
-                found.append(record)
-        return sorted(found, key=lambda r: (r["created_at"], r["run_id"]))
+        return self.resolver.paths(run_id)
 
     def current(self) -> Optional[RunPaths]:
         """`run=ID`, else this exact job's existing run, else None."""
-        if self._run is None:
-            wanted = self.variables.get("run")
-            if wanted:
-                self._run = self.adopt(wanted)
-            else:
-                same = [r for r in self.known_runs() if r["job_hash"] == self.job_hash]
-                self._run = self.paths(same[-1]["run_id"]) if same else None
-        return self._run
+        return self.resolver.current()
 
     def run(self) -> RunPaths:
         """The run the forward phases work on: the current one, or a new one (recorded at once)."""
-        if self.current() is None:
-            self._run = self.create()
-        return self._run
+        return self.resolver.run()
 
     def observed(self) -> RunPaths:
         """The run observers work on: the current one, else the latest of this config and backend."""
-        current = self.current()
-        if current is not None:
-            return current
-        runs = self.known_runs()
-        if not runs:
-            point = f" (sweep point {self.point.label})" if self.point else ""
-            raise RunError(f"no run of {self.job.source}{point} on backend {self.job.backend} yet: "
-                           f"start one with `doit run train`")
-        return self.paths(runs[-1]["run_id"])
+        return self.resolver.observed()
 
-    def create(self) -> RunPaths:
-        """Mint a run id for this job and record it locally (run.json), before anything else."""
-        run = self.paths(mint_run_id(self.job.name, self.job_hash))
-        record = dict(self.launch_spec, run_id=run.run_id, name=self.job.name, config=self.job.source,
-                      backend=self.job.backend, backend_type=self.backend.type, job_hash=self.job_hash,
-                      code_hash=self.tree_hashes["code"], data_hash=self.tree_hashes["data"],
-                      artifacts=list(self.job.artifacts), created_at=round(time.time(), 3),
-                      created_on=socket.gethostname(), tether_version=self.backend.version,
-                      tether_package=tether.__version__)
-        if self.repro_of:
-            record["repro_of"] = self.repro_of
-        atomic_write_json(run.run_json, record)
-        return run
-
-    def adopt(self, run_id: str) -> RunPaths:
-        """A run named on the command line; known here, or fetched from the far side's run.json."""
-        run = self.paths(check_run_id(run_id))
-        if os.path.exists(run.run_json):
-            return run
-        try:
-            data = self.backend.far.cat(run.remote_file("run.json"))
-        except FileNotFoundError:
-            raise RunError(f"run {run_id} is unknown here and on backend {self.job.backend} "
-                           f"({run.remote_abs}): check the id, or pass backend=NAME")
-        atomic_write_json(run.run_json, json.loads(data))
-        return run
-
-    # ------------------------------------------------------------ far-side state, once per invocation
-
-    @functools.cached_property
-    def _snapshots(self) -> dict[str, dict]:
-        return {}
-
-    def snapshot(self, run: RunPaths, fresh: bool = False) -> dict:
-        """The far side's state of `run`, fetched once per invocation unless `fresh`; in a sweep,
-        one round trip (one squeue on SLURM) also refreshes every other point still in flight."""
-        if fresh or run.run_id not in self._snapshots:
-            others = [r for r in self.in_flight() if r.run_id != run.run_id]
-            self._snapshots.update(self.backend.states([run] + others))
-        return self._snapshots[run.run_id]
-
-    def in_flight(self) -> list[RunPaths]:
-        """The sweep's runs that were launched and are not yet followed to their end."""
-        found = []
-        for sibling in self.siblings:
-            run = sibling.current()
-            if run and os.path.exists(run.stamp("launch")) and not os.path.exists(run.stamp("watch")):
-                found.append(run)
-        return found
-
-    def forget_snapshot(self, run: RunPaths) -> None:
-        self._snapshots.pop(run.run_id, None)
+    @property
+    def resolved(self) -> Optional[RunPaths]:
+        """The run resolved so far, without resolving one (None before a task asked)."""
+        return self.resolver.resolved
 
     def record(self, run: RunPaths) -> dict[str, Any]:
-        return read_json(run.run_json) or {}
+        return self.resolver.record(run)
+
+    def snapshot(self, run: RunPaths, fresh: bool = False) -> dict:
+        """The far side's state of `run`, fetched once per invocation unless `fresh`."""
+        return self.snapshots.snapshot(run, fresh)
+
+    def forget_snapshot(self, run: RunPaths) -> None:
+        self.snapshots.forget(run)
+
+    def in_flight(self) -> list[RunPaths]:
+        return self.snapshots.in_flight()

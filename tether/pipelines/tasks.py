@@ -72,7 +72,7 @@ def catch_signals() -> None:
 
 
 def resume_hint(session: Session | None) -> str:
-    run = session._run if session else None
+    run = session.resolved if session else None
     where = f" Run {run.run_id} goes on if it was launched: `doit status run={run.run_id}` shows it." if run else ""
     return f"interrupted: nothing is lost.{where} Run the same command again to resume."
 

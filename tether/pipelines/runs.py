@@ -135,7 +135,7 @@ class SnapshotCache:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._states: dict[str, dict] = {}
+        self._states: dict[str, Snapshot] = {}
         self._followed: list[RunResolver] = []
 
     def follow(self, resolver: RunResolver) -> None:

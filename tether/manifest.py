@@ -296,8 +296,8 @@ def _problem(run: RunPaths, path: str, entry: FileEntry, present: bool, notes: d
     local = run.pulled(path)
     sha, size = hashed(local)
     if size != entry.bytes or sha != entry.sha256:
-        return (f"{size} bytes, sha256 {sha[:12]}; the manifest says {entry['bytes']} bytes, "
-                f"sha256 {entry['sha256'][:12]}")
+        return (f"{size} bytes, sha256 {sha[:12]}; the manifest says {entry.bytes} bytes, "
+                f"sha256 {entry.sha256[:12]}")
     bad = content_problem(local, notes)
     return f"does not load: {bad}" if bad else ""
 

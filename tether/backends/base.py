@@ -1,19 +1,21 @@
-"""The backend interface: a filesystem rooted at remote_dir, and one way to run the launcher there.
+"""The backend interface: a Transport composed with a policy (each type's Backend), and the shared keys.
 
-A backend type implements three things: `filesystem()`, `_execute(argv, stdin)` (the one
-choke point every far-side command goes through) and `remote_dir`. Everything else (check,
-launch, state, stop, teardown) is built here on the far-side launcher, so every backend
-behaves the same and is tested by the same contract suite.
+A backend type is one module with a `Config` (extending `Shared`, the keys every type takes) and a
+`Backend` (extending this one) that names its transport (tether/backends/transport.py) and says
+how a run is launched and stopped there. Everything else (check, state, teardown, prune) is built
+here on the far-side launcher, so every backend behaves the same and is tested by the same
+contract suite.
 """
 
 from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from tether.backends.channel import ChannelLost
 from tether.backends.farside import FarSide
+from tether.backends.transport import Transport
 from tether.shipping import launcher_version
 from tether.errors import BackendError
 from tether.paths import RunPaths
@@ -21,6 +23,22 @@ from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcom
 
 if TYPE_CHECKING:
     from tether.pipelines.transfer import Watchdog
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shared:
+    """The keys every backend type takes; each type's Config extends it (and may change a default)."""
+
+    type: str = ""
+    remote_dir: Optional[str] = None
+    python: Optional[str] = None
+    max_artifact_mb: Optional[float] = None  # artifacts and checkpoints above this stay on the far side
+
+    def problems(self) -> list[str]:
+        return []
+
+    def warnings(self) -> list[str]:
+        return []
 
 
 @dataclass
@@ -47,67 +65,92 @@ class Report:
 
 
 class Backend:
-    """One far side. Public methods go through its serve process; errors leave as tether's own."""
+    """One far side: a transport and this type's policy. Public methods go through its serve process."""
 
     type = ""
     min_free_mb = 500  # below this a run's checkpoints may not fit
     poll_interval_s = 2.0  # watch's slowest poll while nothing happens
     exit_grace_s = 0.0  # how long a vanished run may take to show its final state (shared storage)
-    opens_early = False  # start the serve process before the first request needs it (a slow connection)
-    open_timeout_s = 120.0  # the far side's first word: its Python started (and the package installed)
+    launches_arrays = False  # True: a sweep's runs are launched together by launch_many
 
     def __init__(self, name: str, config: Any, state_dir: str) -> None:
         self.name, self.config, self.state_dir = name, config, state_dir
         self.version = launcher_version()
+        self.transport = self.make_transport()
         self.far = FarSide(self)
         self._install_reported = False
 
-    # ------------------------------------------------------------ the transport (per type)
+    def make_transport(self) -> Transport:
+        """This type's transport, built from its config (the one thing each type must give)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the transport
 
     @property
     def remote_dir(self) -> str:
-        raise NotImplementedError
-
-    @property
-    def python(self) -> str:
-        raise NotImplementedError
+        """remote_dir, absolute on the far side (the transport may ask the serve process, once)."""
+        return self.transport.root(self.far)
 
     @property
     def base_python(self) -> str:
         """The interpreter that exists before `prepare` (which may build a venv from it): serve runs on it."""
-        return self.python
+        return self.transport.python
+
+    @property
+    def python(self) -> str:
+        """The interpreter a run gets (a policy may point it into a venv that `prepare` builds)."""
+        return self.base_python
 
     @property
     def where(self) -> str:
-        """The far side in a message: user@host, or this machine."""
-        return "this machine"
+        return self.transport.where
+
+    @property
+    def opens_early(self) -> bool:
+        return self.transport.opens_early
+
+    @property
+    def open_timeout_s(self) -> float:
+        return self.transport.open_timeout_s
+
+    @property
+    def stall_timeout_s(self) -> float | None:
+        """How long a transfer may move no byte before it is ended (None: never)."""
+        return self.transport.stall_timeout_s
+
+    @property
+    def commands(self) -> int:
+        """Far-side requests this invocation (a poll of a whole sweep is one)."""
+        return self.far.requests
 
     def serve_argv(self, script: str, version: str) -> list[str]:
-        """The command that starts the far side's serve process (`python -c SCRIPT REMOTE_DIR VERSION`)."""
-        raise NotImplementedError
+        return self.transport.serve_argv(script, version)
 
     def explain_lost(self, err: ChannelLost) -> BackendError:
-        """Why the serve process never said hello, as one line naming the fix."""
-        return BackendError(f"the far side's Python ({self.base_python}) did not start: {err}: "
-                            f"set python: in the backend's config")
+        return self.transport.explain_lost(err)
 
     def missing_program_hint(self, program: str) -> str:
-        return "set python: in the backend's config"
+        return self.transport.missing_program_hint(program)
 
     def filesystem(self) -> Any:
         """An fsspec filesystem whose root is remote_dir (for what the protocol does not carry)."""
-        raise NotImplementedError
+        return self.transport.filesystem(self.remote_dir)
 
     def reconnect(self) -> None:
-        """Drop the channel so that the next call opens a fresh one."""
+        """Drop the channel (and the transport's connection) so that the next call opens a fresh one."""
         self.far.reconnect()
+        self.transport.reconnect()
 
     def close(self) -> None:
         self.far.close()
 
+    def watchdog(self) -> "Watchdog":
+        """What ends this backend's stalled transfers (a transport over a network sets stall_timeout_s)."""
+        return self.transport.watchdog()
+
     def is_transport_error(self, err: BaseException) -> bool:
         """Whether `err` says the far side is unreachable (worth a retry), not that something is wrong."""
-        return isinstance(err, BackendError)
+        return self.transport.is_transport_error(err)
 
     # ------------------------------------------------------------ built on the protocol
 
@@ -163,26 +206,15 @@ class Backend:
         """Start the run detached; never a second copy of a live or finished run."""
         return self.far.start(run.remote_abs, self.settings())
 
-    launches_arrays = False  # True: a sweep's runs are launched together by launch_many
-
     def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, LaunchResult]:
         """Launch several runs (a sweep's points); a backend with job arrays submits them as one."""
         return {run.run_id: self.launch(run) for run in runs}
 
     def fetch_policy(self, path: str, size: int) -> str:
-        """'' to fetch a manifest file, else why it stays on the far side."""
-        return ""
+        """'' to fetch a manifest file, else why it stays on the far side (max_artifact_mb)."""
+        from tether.pipelines.transfer import size_policy
 
-    @property
-    def stall_timeout_s(self) -> float | None:
-        """How long a transfer may move no byte before it is ended (None: never; a far side here cannot stall)."""
-        return None
-
-    def watchdog(self) -> "Watchdog":
-        """What ends this backend's stalled SFTP transfers (a backend over a network sets stall_timeout_s)."""
-        from tether.pipelines.transfer import UNWATCHED
-
-        return UNWATCHED
+        return size_policy(path, size, self.config.max_artifact_mb)
 
     def prune(self) -> dict:
         """Remove far-side objects that no run references (only ever in a remote_dir tether owns)."""
@@ -202,8 +234,8 @@ class Backend:
 
     @property
     def keep_remote(self) -> bool:
-        """Whether `down` leaves the run dir where it is (ssh's keep_remote: true); `down` asks once."""
-        return bool(getattr(self.config, "keep_remote", False))
+        """Whether `down` leaves the run dir where it is (keep_remote: true over ssh); `down` asks once."""
+        return False
 
     def teardown(self, run: RunPaths) -> str:
         """Remove the run dir on the far side (the object store stays); idempotent; never a live run."""

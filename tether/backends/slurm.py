@@ -1,8 +1,9 @@
 """The slurm backend: submit from the laptop over ssh; the job, not the laptop, owns the run.
 
-The login node is reached with the ssh backend's transport. `job.sh` starts the launcher in
-the background and waits, so the scheduler's signals reach it; a preempted or time-limited
-attempt checkpoints, and the job requeues itself while the restart policy allows.
+The login node is reached with the ssh transport (tether/backends/openssh.py); this policy
+submits there. `job.sh` starts the launcher in the background and waits, so the scheduler's
+signals reach it; a preempted or time-limited attempt checkpoints, and the job requeues itself
+while the restart policy allows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tether.backends import ssh
+from tether.backends.base import Backend as BaseBackend
+from tether.backends.openssh import Connection, SSHTransport
+from tether.backends.transport import Transport
 from tether.errors import BackendError
 from tether.paths import RunPaths
 from tether.remote.protocol import ERROR, STARTED, LaunchResult, StopOutcome
@@ -173,8 +176,8 @@ def _normalized(path: str) -> str:
     return "/" + norm.lstrip("/") if norm.startswith("//") else norm
 
 
-@dataclass(frozen=True)
-class Config(ssh.Connection):
+@dataclass(frozen=True, kw_only=True)
+class Config(Connection):
     """backends: {NAME: {type: slurm, host: LOGIN_NODE, remote_dir: SHARED_PATH, partition: ..., ...}}"""
 
     type: str = "slurm"
@@ -287,26 +290,38 @@ def _script(cfg: Config, header: list[str], select: list[str], launcher: str, py
                       "exit $code", ""])
 
 
-class Backend(ssh.Backend):
-    """A SLURM cluster behind a login node."""
+class Backend(BaseBackend):
+    """The slurm policy: sbatch on a login node reached over the ssh transport; the job owns the run."""
 
     type = "slurm"
     launches_arrays = True  # a sweep is one job array, not one sbatch per point
+    config: Config
+    transport: SSHTransport
+
+    def make_transport(self) -> Transport:
+        return SSHTransport(self.config, self.state_dir)
+
+    @property
+    def keep_remote(self) -> bool:
+        return self.config.keep_remote
+
+    def fetch_policy(self, path: str, size: int) -> str:
+        return self.config.fetch_policy(path, size)
 
     @property
     def job_python(self) -> str:
         return self.config.job_python or self.config.python
 
     @property
-    def poll_interval_s(self) -> float:
+    def poll_interval_s(self) -> float:  # type: ignore[override]
         return self.config.poll_interval_s
 
     @property
-    def exit_grace_s(self) -> float:
+    def exit_grace_s(self) -> float:  # type: ignore[override]
         return self.config.exit_grace_s
 
     def settings(self) -> dict:
-        return {"remote_dir": self.remote_dir, "gpus": "none", "env": self.trainer_env(), "scheduler": "slurm",
+        return {"remote_dir": self.remote_dir, "gpus": "none", "env": self.config.trainer_env(), "scheduler": "slurm",
                 "partition": self.config.partition}
 
     def _report(self, report: Any, found: dict, settings: dict, require: tuple[str, ...]) -> None:

@@ -2,9 +2,9 @@
 
 A backend's test module subclasses `BackendContract` and supplies a `backend` fixture (a
 fresh far side per test); the test methods here use nothing else: `install_launcher`,
-`check`, `filesystem`, `launcher`, `launch`, `state`, `states`, `stop`, `teardown`. Runs are
+`check`, `filesystem`, `far`, `launch`, `state`, `states`, `stop`, `teardown`. Runs are
 pushed by hand through `filesystem()` (objects, tree.json, run.json) and built on the far side
-with the launcher's `materialize`, as the push phase does.
+with the far side's `materialize`, as the push phase does.
 
 Every wait polls a condition against a deadline; nothing sleeps a fixed time.
 """

@@ -509,7 +509,7 @@ def down(s: Session, confirm: bool) -> str:
     if manifest.digest(far) != verified["manifest_sha256"]:  # sealed again after this side verified it
         raise ManifestError(f"refusing to tear down {run.run_id}: the far side's manifest changed after it was "
                             f"verified here: `doit pull verify run={run.run_id}` fetches and checks what it lists now")
-    if s.snapshot(run, fresh=True)["alive"]:
+    if s.snapshot(run, fresh=True).alive:
         raise RunError(f"refusing to tear down {run.run_id}: it is still running: `doit stop` first")
     print(f"down will delete {run.remote_abs} on backend {s.job.backend} "
           f"({len(verified['files'])} verified files are kept in {run.files})")

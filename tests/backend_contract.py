@@ -2,9 +2,9 @@
 
 A backend's test module subclasses `BackendContract` and supplies a `backend` fixture (a
 fresh far side per test); the test methods here use nothing else: `install_launcher`,
-`check`, `filesystem`, `launcher`, `launch`, `state`, `states`, `stop`, `teardown`. Runs are
+`check`, `filesystem`, `far`, `launch`, `state`, `states`, `stop`, `teardown`. Runs are
 pushed by hand through `filesystem()` (objects, tree.json, run.json) and built on the far side
-with the launcher's `materialize`, as the push phase does.
+with the far side's `materialize`, as the push phase does.
 
 Every wait polls a condition against a deadline; nothing sleeps a fixed time.
 """
@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 
 from tether.paths import RunPaths
+from tether.remote.protocol import Snapshot
 
 # A small trainer that uses tether's runtime; options choose how it behaves.
 TRAINER = r'''
@@ -148,7 +149,7 @@ class BackendContract:
         yield make
         for run in made:  # leave nothing running, whatever the test did
             try:
-                if backend.state(run).get("alive"):
+                if backend.state(run).alive:
                     backend.stop(run, 1.0)
             except Exception:
                 pass
@@ -167,9 +168,9 @@ class BackendContract:
             return hits if len(hits) >= count else None
         return wait_for(found, f"{count} {name!r} event(s) of {run.run_id}")
 
-    def wait_status(self, backend, run: RunPaths, *statuses: str) -> dict:
+    def wait_status(self, backend, run: RunPaths, *statuses: str) -> Snapshot:
         """The first snapshot whose status is one of `statuses` with no process left alive."""
-        return wait_for(lambda: (lambda s: s if s["status"] in statuses and not s["alive"] else None)(
+        return wait_for(lambda: (lambda s: s if s.status in statuses and not s.alive else None)(
             backend.state(run)), f"{run.run_id} to be {statuses}")
 
     def go(self, backend, run: RunPaths) -> None:
@@ -180,8 +181,8 @@ class BackendContract:
         entry true to the bytes on the far side."""
         self.go(backend, run)
         done = self.wait_status(backend, run, "completed")
-        assert done["state"]["exit_code"] == 0
-        assert done["sealed"] is True and done["final"] is True
+        assert done.state["exit_code"] == 0
+        assert done.sealed is True and done.final is True
 
         fs = backend.filesystem()
         manifest = json.loads(fs.cat_file(run.remote_file("PULL_MANIFEST.json")))
@@ -245,93 +246,93 @@ class BackendContract:
     def test_launch_runs_to_completion_and_seals_a_true_manifest(self, backend, make_run):
         run = make_run("--wait")
         started = backend.launch(run)
-        assert started["outcome"] == "started", started
-        assert started["state"]["attempt"] == 1
+        assert started.outcome == "started", started
+        assert started.state["attempt"] == 1
         self.wait_event(backend, run, "ready")
         live = backend.state(run)
-        assert live["status"] == "running" and live["alive"] is True and live["sealed"] is False
-        assert live["state"]["launcher_version"] == backend.version  # the shipped copy runs, not another
+        assert live.status == "running" and live.alive is True and live.sealed is False
+        assert live.state["launcher_version"] == backend.version  # the shipped copy runs, not another
         self.complete_and_check_manifest(backend, run)
 
     def test_launch_never_starts_a_running_or_finished_run_again(self, backend, make_run):
         run = make_run("--wait")
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         self.wait_event(backend, run, "ready")
-        assert backend.launch(run)["outcome"] == "running"
+        assert backend.launch(run).outcome == "running"
         self.go(backend, run)
         self.wait_status(backend, run, "completed")
         again = backend.launch(run)
-        assert again["outcome"] == "finished", again
-        assert again["state"]["status"] == "completed"
+        assert again.outcome == "finished", again
+        assert again.state["status"] == "completed"
         events = self.events(backend, run)
         assert [e["event"] for e in events].count("launch") == 1
         assert [e["event"] for e in events].count("trainer-start") == 1
 
     def test_failed_trainer_keeps_its_exit_code(self, backend, make_run):
         run = make_run("--exit", "3")
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         done = self.wait_status(backend, run, "failed")
-        assert done["state"]["exit_code"] == 3
-        assert done["sealed"] is True
-        assert backend.launch(run)["outcome"] == "finished"
+        assert done.state["exit_code"] == 3
+        assert done.sealed is True
+        assert backend.launch(run).outcome == "finished"
 
     def test_states_answers_for_many_runs_at_once(self, backend, make_run):
         finished, running = make_run(), make_run("--wait")
         never = RunPaths("contract-never-pushed", backend.state_dir, backend.remote_dir)
-        assert backend.launch(finished)["outcome"] == "started"
+        assert backend.launch(finished).outcome == "started"
         self.wait_status(backend, finished, "completed")
-        assert backend.launch(running)["outcome"] == "started"
+        assert backend.launch(running).outcome == "started"
         self.wait_event(backend, running, "ready")
         snaps = backend.states([finished, running, never])
         assert set(snaps) == {finished.run_id, running.run_id, never.run_id}
-        assert snaps[finished.run_id]["status"] == "completed"
-        assert snaps[running.run_id]["status"] == "running" and snaps[running.run_id]["alive"] is True
-        assert snaps[never.run_id]["status"] == "absent"
-        assert backend.state(finished)["status"] == "completed"
+        assert snaps[finished.run_id].status == "completed"
+        assert snaps[running.run_id].status == "running" and snaps[running.run_id].alive is True
+        assert snaps[never.run_id].status == "absent"
+        assert backend.state(finished).status == "completed"
 
     # ------------------------------------------------------------ stop
 
     def test_stop_ends_a_running_run_as_stopped(self, backend, make_run):
         run = make_run("--wait", "--on-term", "checkpoint")
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         self.wait_event(backend, run, "ready")
         outcome = backend.stop(run, 10.0)
-        assert outcome["outcome"] == "stopped", outcome
+        assert outcome.outcome == "stopped", outcome
         snap = backend.state(run)
-        assert snap["status"] == "stopped" and snap["alive"] is False and snap["sealed"] is True
+        assert snap.status == "stopped" and snap.alive is False and snap.sealed is True
         assert [e["event"] for e in self.events(backend, run)].count("preempting") == 1  # it checkpointed
-        assert backend.launch(run)["outcome"] == "finished"  # a stopped run is never restarted
+        assert backend.launch(run).outcome == "finished"  # a stopped run is never restarted
 
     def test_stop_kills_a_trainer_that_ignores_sigterm(self, backend, make_run):
         run = make_run("--wait", "--on-term", "ignore", grace=1.0)
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         self.wait_event(backend, run, "ready")
         outcome = backend.stop(run, 1.0)
-        assert outcome["outcome"] == "stopped", outcome
+        assert outcome.outcome == "stopped", outcome
         snap = backend.state(run)
-        assert snap["status"] == "stopped" and snap["alive"] is False
+        assert snap.status == "stopped" and snap.alive is False
 
     def test_stop_of_a_finished_run_changes_nothing(self, backend, make_run):
         run = make_run()
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         self.wait_status(backend, run, "completed")
         before = backend.filesystem().cat_file(run.remote_file("PULL_MANIFEST.json"))
         outcome = backend.stop(run, 1.0)
-        assert outcome["outcome"] == "was not running", outcome
-        assert backend.state(run)["status"] == "completed"
+        assert outcome.outcome == "was not running", outcome
+        assert backend.state(run).status == "completed"
         assert backend.filesystem().cat_file(run.remote_file("PULL_MANIFEST.json")) == before
 
     # ------------------------------------------------------------ teardown
 
     def test_teardown_removes_the_run_dir_once(self, backend, make_run):
         run = make_run()
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         self.wait_status(backend, run, "completed")
         first = backend.teardown(run)
         assert first.startswith("removed"), first
         with pytest.raises(FileNotFoundError):
             backend.filesystem().info(run.remote)
-        assert backend.state(run)["status"] == "absent"
+        assert backend.state(run).status == "absent"
         assert backend.teardown(run).startswith("already removed")
         code = TRAINER.encode()  # the object store outlives the run
         assert backend.far.have(f"{backend.remote_dir}/objects", [sha256(code)]) == []

@@ -59,21 +59,21 @@ class TestLocalBackend(BackendContract):
 
     def test_stop_leaves_no_process_of_the_trainers_group(self, backend, make_run):
         run = make_run("--wait", "--children")
-        assert backend.launch(run)["outcome"] == "started"
+        assert backend.launch(run).outcome == "started"
         ready = self.wait_event(backend, run, "ready")[0]
-        state = backend.state(run)["state"]
+        state = backend.state(run).state
         pgid, launcher_pid = state["pgid"], state["pid"]
         assert len(ready["children"]) == 4 and all(alive(p) for p in ready["children"])
         assert set(ready["children"]) <= set(group(pgid))
         t0 = time.monotonic()
         outcome = backend.stop(run, 2.0)
-        assert outcome["outcome"] == "stopped", outcome
+        assert outcome.outcome == "stopped", outcome
         assert time.monotonic() - t0 < 5.0  # the launcher cleared the group, not stop's late SIGKILL
         assert group(pgid) == []
         assert [p for p in ready["children"] if alive(p)] == []
         assert not alive(launcher_pid)
         snap = backend.state(run)
-        assert snap["status"] == "stopped" and snap["alive"] is False
+        assert snap.status == "stopped" and snap.alive is False
 
     def test_launcher_commands_ignore_a_tether_package_in_the_working_folder(self, backend, tmp_path, monkeypatch):
         """The far side must run the launcher copied to remote_dir/tether/<version>/, whatever folder

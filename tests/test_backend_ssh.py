@@ -2,7 +2,7 @@
 
 `TestSSHBackend` runs the very same `BackendContract` suite as the local backend, with a far side
 reached through the session's sshd. The checks after it use only the public interface
-(`Config`, `Backend`, `remote_dir`, `filesystem`, `launcher`, `launch`, `state`, `stop`,
+(`Config`, `Backend`, `remote_dir`, `filesystem`, `far`, `launch`, `state`, `stop`,
 `reconnect`) and what the far side wrote to disk.
 """
 
@@ -47,8 +47,8 @@ class TestSSHBackend(BackendContract):
 
     def test_remote_dir_is_absolute_on_the_far_side_and_private(self, backend, tmp_path):
         assert backend.remote_dir == str(tmp_path / "far")
+        assert backend.install_launcher() is True  # the first contact claims remote_dir (creates it)
         assert stat.S_IMODE(os.stat(backend.remote_dir).st_mode) == 0o700
-        assert backend.install_launcher() is True
         copied = tmp_path / "far" / "tether" / backend.version / "tether" / "remote" / "launcher.py"
         assert copied.read_bytes() == (Path(__file__).parent.parent / "tether" / "remote" / "launcher.py").read_bytes()
 
@@ -56,12 +56,12 @@ class TestSSHBackend(BackendContract):
         before = accepted_logins(sshd)
         backend = ssh_backend(sshd, tmp_path / "far", tmp_path / ".tether")
         backend.install_launcher()
-        fs = backend.filesystem()
-        fs.pipe_file("note.txt", b"x")
+        backend.far.put("note.txt", b"x")  # files travel on the serve channel too (SFTP is only filesystem())
         for _ in range(3):
             assert backend.check().ready
-            assert fs.cat_file("note.txt") == b"x"
+            assert backend.far.cat("note.txt") == b"x"
         assert backend.commands >= 3  # the three checks, at least
+        assert backend.far.starts == 1, "the far side's serve process was started more than once"
         wait_for(lambda: accepted_logins(sshd) > before, "sshd to log the login")
         assert accepted_logins(sshd) - before == 1, "each command opened a connection of its own"
 
@@ -84,7 +84,7 @@ class TestSSHBackend(BackendContract):
         run = make_run("--wait")  # pushed through the contract's backend, onto the same far side
         with_env = ssh_backend(sshd, tmp_path / "far", tmp_path / ".tether", env={"API_TOKEN": secret})
         started = with_env.launch(run)
-        assert started["outcome"] == "started", started
+        assert started.outcome == "started", started
         env_file = tmp_path / "far" / "runs" / run.run_id / "launch_env.json"
         assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
         assert json.loads(env_file.read_text())["API_TOKEN"] == secret

@@ -619,6 +619,7 @@ from tether.backends.base import Report, _gpu_items  # noqa: E402
 from tether.backends.slurm import (OWN_OPTIONS, SBATCH_LONG, SBATCH_NO_ARG, SBATCH_REQUIRED_ARG, Config,  # noqa: E402
                                    sbatch_words)
 from tether.remote import machine  # noqa: E402
+from tether.remote.protocol import Preflight  # noqa: E402
 
 NVIDIA_SMI_DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
 NVIDIA_SMI_STAND_IN = """\
@@ -655,9 +656,10 @@ def replay_nvidia_smi(tmp_path, monkeypatch):
 
 
 def gpu_lines(found: dict, settings: dict) -> dict:
-    """The preflight's GPU lines, by name, as `doit check` shows them."""
+    """The preflight's GPU lines, by name, as `doit check` shows them (from machine.check's answer, typed
+    as the client reads it)."""
     report = Report("lab")
-    _gpu_items(report, found, settings)
+    _gpu_items(report, Preflight.of(found), settings)
     return {item["check"]: item for item in report.items}
 
 
@@ -1274,24 +1276,18 @@ for i in range(20):  # 60 MiB of small files: one tar batch
 """
 
 
-def _sftp_under_way(project, far) -> bool:
-    """The large file is coming in over SFTP (its .part grows)."""
+def _sftp_under_way(project, far, running) -> bool:
+    """The large file is coming in (its .part grows)."""
     try:
         return _pulled(project, "artifacts/big.bin.part").stat().st_size > 0
     except (FileNotFoundError, AssertionError):
         return False
 
 
-def _tar_under_way(project, far) -> bool:
-    """The far side's `send` of this run (not another test's) is streaming the small files' tar."""
-    mine = f"launcher.py\0send\0{far}/runs/".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and mine in (entry / "cmdline").read_bytes():
-                return True
-        except OSError:
-            continue
-    return False
+def _tar_under_way(project, far, running) -> bool:
+    """This pull has asked the far side's serve process to `send` this run's small files as one tar (not
+    another test's): TETHER_TRACE=1 names each far-side request on doit's stderr as it is sent."""
+    return f"] send run_dir={far}/runs/" in running.text("stderr")
 
 
 STALL_CASES = [
@@ -1310,11 +1306,11 @@ def _signal_sessions(server, sig) -> None:
 
 
 def _frozen_mid_transfer(project, server, command: list[str], under_way, says: str) -> None:
-    """Start `doit COMMAND`, freeze every sshd session once `under_way()`, and require the stall's one
+    """Start `doit COMMAND`, freeze every sshd session once `under_way(running)`, and require the stall's one
     line within a bounded time (without the watchdog the command waits for ever)."""
     running = _Background(project.start(*command))
     try:
-        _poll(lambda: under_way() or running.proc.poll() is not None, 120, f"{command[-1]} under way")
+        _poll(lambda: under_way(running) or running.proc.poll() is not None, 120, f"{command[-1]} under way")
         assert running.proc.poll() is None, f"{command[-1]} ended before it could be frozen:\n{running.output()}"
         _signal_sessions(server, signal.SIGSTOP)
         frozen = time.monotonic()
@@ -1331,8 +1327,11 @@ def _frozen_mid_transfer(project, server, command: list[str], under_way, says: s
 
 
 @pytest.mark.parametrize("under_way, resumes", STALL_CASES)
-def test_a_stalled_transfer_fails_in_bounded_time_and_the_rerun_resumes(project, tmp_path, under_way, resumes):
+def test_a_stalled_transfer_fails_in_bounded_time_and_the_rerun_resumes(project, tmp_path, monkeypatch, under_way,
+                                                                       resumes):
     from sshd import SSHServer
+
+    monkeypatch.setenv("TETHER_TRACE", "1")  # the far-side requests on stderr: _tar_under_way reads them
 
     server = SSHServer(tmp_path / "sshd").start()
     far = tmp_path / "far"
@@ -1345,7 +1344,7 @@ def test_a_stalled_transfer_fails_in_bounded_time_and_the_rerun_resumes(project,
         project.doit("run", "launch", check=True)
         run_id = project.run_ids()[-1]
         _poll(lambda: (far / "runs" / run_id / "PULL_MANIFEST.json").exists(), 120, "the seal", interval=0.05)
-        _frozen_mid_transfer(project, server, ["pull"], lambda: under_way(project, far),
+        _frozen_mid_transfer(project, server, ["pull"], lambda running: under_way(project, far, running),
                              "the copy from root@127.0.0.1 sent nothing for 2 s")
         part = _pulled(project, "artifacts/big.bin.part")
         inode = part.stat().st_ino if resumes else None

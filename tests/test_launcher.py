@@ -338,7 +338,8 @@ def test_killed_run_is_lost_and_a_relaunch_resumes_from_its_checkpoint(make_run)
 def test_probe_command_answers_for_several_runs_and_absent_ones(make_run, tmp_path):
     run_dir = make_run()
     absent = str(tmp_path / "runs" / "nope")
-    out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "probe", run_dir, absent],
+    out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "probe",
+                          json.dumps({"run_dirs": [run_dir, absent]})],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)
@@ -402,8 +403,8 @@ def test_have_lists_the_hashes_the_store_lacks(tmp_path):
     Path(objects.object_path(str(store), present)).write_bytes(b"here")
     lacking = [sha256_bytes(b"one"), sha256_bytes(b"two")]
     assert objects.have(str(store), [lacking[0], present, lacking[1]]) == lacking
-    out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "have", str(store)],
-                         input="\n".join([present, *lacking]) + "\n", cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "tether.remote.launcher", "have",
+                          json.dumps({"objects_dir": str(store), "hashes": [present, *lacking]})], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == lacking

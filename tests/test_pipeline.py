@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -540,25 +541,18 @@ def test_failed_run_reports_the_log_and_still_pulls(project):
 # ---------------------------------------------------------------- gaps found while writing these tests
 
 
-def launcher_probes(run_dir: Path) -> set[int]:
-    """Pids of the far-side `launcher probe` commands looking at this run right now (watch polls with them)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-            if b"probe" in argv and str(run_dir).encode() in argv:
-                found.add(int(entry.name))
-    return found
+def probes_sent(proc: Background) -> int:
+    """How many `probe` requests the background doit has sent to the far side's serve process so far
+    (watch polls with them; TETHER_TRACE=1 names each request on stderr as it is sent)."""
+    return len(re.findall(r"\[far [^\]\n]*\] probe\b", proc.text("stderr")))  # a progress bar may precede one
 
 
-def test_watch_waits_for_the_seal_before_pull(project):
+def test_watch_waits_for_the_seal_before_pull(project, monkeypatch):
     """The launcher records the run as completed, then hashes its files into PULL_MANIFEST.json (for a
     200 MiB artifact, a moment). The launcher is paused (SIGSTOP) in exactly that gap, standing for a
     slow disk: watch must keep waiting (polls seen) instead of handing over to a pull that fails."""
     use_trainer(project, "big.py", BIG, "big.bin, model.json")
+    monkeypatch.setenv("TETHER_TRACE", "1")  # every far-side request on doit's stderr: the polls are counted there
     proc = start(project, "run", "train")
 
     def unsealed() -> bool:
@@ -576,11 +570,10 @@ def test_watch_waits_for_the_seal_before_pull(project):
     os.kill(launcher, signal.SIGSTOP)
     try:
         assert not (run_dir / "PULL_MANIFEST.json").exists(), "sealed before the launcher could be paused"
-        seen: set[int] = set()
+        before = probes_sent(proc)
 
         def polls_or_exit() -> bool:  # a pull that gives up probes once too: four polls prove watch waits
-            seen.update(launcher_probes(run_dir))
-            return len(seen) >= 4 or proc.proc.poll() is not None
+            return probes_sent(proc) - before >= 4 or proc.proc.poll() is not None
 
         project.wait_for(polls_or_exit, timeout=60, what="watch polling the unsealed run")
         assert proc.proc.poll() is None, ("doit left watch while the run was completed but not sealed:\n"

@@ -421,7 +421,7 @@ def _fetch(s: Session, run: RunPaths, todo: list[manifest.FileEntry], total: int
             pieces: list[bytes] = []
             try:
                 far.send(run.remote_abs, [e.path for e in group], pieces.append, stall_s)
-            except RemoteCommandError:
+            except (RemoteCommandError, FileNotFoundError):
                 _gone(far, run, group, changed)  # a far file removed after sealing fails the whole `send`
                 raise
             transfer.unpack(b"".join(pieces), {e.path: (run.pulled(e.path), e.bytes, e.sha256) for e in group},

@@ -191,6 +191,12 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         """A task that looks at one run, or at every point of a sweep at once."""
         return lambda: dict(doc=doc, actions=[action(session, sweep_phase if points() else phase)], **extra)
 
+    def fixed(doc: str, *actions: Any, **extra: Any) -> Callable[[], dict]:
+        """A task of the whole config, the same with or without a sweep. (A creator defined in one
+        short line: doit tokenizes every creator's source to order them, and a lambda's runs to the
+        end of its statement, here the whole dict below.)"""
+        return lambda: dict(doc=doc, actions=list(actions), **extra)
+
     return {
         "task_up": up,
         "task_push": per_run("push", "upload the code and data the far side lacks; freeze the code snapshot",
@@ -210,19 +216,19 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                              simple(lazy("observe", "tail"), io={"capture": False})),
         "task_stop": per_run("stop", "SIGTERM the run, SIGKILL after grace_seconds, and say what happened",
                              simple(lazy("observe", "stop"))),
-        "task_prune": lambda: dict(doc="remove far-side objects that no run references (after `down`s)",
-                                   actions=[action(session, lazy("observe", "prune"))]),
+        "task_prune": fixed("remove far-side objects that no run references (after `down`s)",
+                            action(session, lazy("observe", "prune"))),
         "task_report": whole("curves and a Markdown summary from the verified files; for a sweep, results.json, "
                              "a table and a figure with error bars", lazy("report", "report"),
                              lazy("results", "report")),
-        "task_check": lambda: dict(doc="preflight the backend: could a run start there? (json=1)",
-                                   actions=[action(session, lazy("observe", "check"))]),
-        "task_repro": lambda: dict(doc="re-run recorded runs (a run folder, results.json or its provenance "
-                                       "file) and compare: tether repro PATH [backend=NAME]",
-                                   actions=[lambda paths: action(recorded, lazy("repro", "repro"), paths)()],
-                                   pos_arg="paths", io={"capture": False}),
-        "task_validate": lambda: dict(doc="report every config problem at once (strict=1: warnings fail too)",
-                                      actions=[functools.partial(validate, variables)]),
+        "task_check": fixed("preflight the backend: could a run start there? (json=1)",
+                            action(session, lazy("observe", "check"))),
+        "task_repro": fixed("re-run recorded runs (a run folder, results.json or its provenance file) and "
+                            "compare: tether repro PATH [backend=NAME]",
+                            lambda paths: action(recorded, lazy("repro", "repro"), paths)(), pos_arg="paths",
+                            io={"capture": False}),
+        "task_validate": fixed("report every config problem at once (strict=1: warnings fail too)",
+                               functools.partial(validate, variables)),
     }
 
 

@@ -8,7 +8,6 @@ shows them all.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import typing
@@ -124,6 +123,8 @@ def _line(node: Any, key: Any = None) -> Optional[int]:
 
 def suggest(word: str, choices: typing.Iterable[str]) -> str:
     """' (did you mean X?)' for a near miss, else ''."""
+    import difflib  # only a mistake needs it
+
     near = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return " (did you mean %r?)" % near[0] if near else ""
 

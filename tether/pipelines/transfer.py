@@ -6,7 +6,6 @@ import contextlib
 import io
 import os
 import sys
-import tarfile
 import threading
 import time
 import uuid
@@ -144,6 +143,8 @@ def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any
     The far side's `send` reads its files as they are now, so a member that does not match is
     the far side's copy changed after sealing: `changed(path, wanted, got)` is raised.
     """
+    import tarfile  # only a pull needs it
+
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
         for member in tar.getmembers():
             if member.name not in expected or not member.isfile():

@@ -1,12 +1,15 @@
 """tether's push and pull over ssh, side by side with rsync, scp and sha256sum, on one loopback sshd.
 
-    python bench/transfer_ssh.py [--big-mb 1024] [--small 2000]
+    python bench/transfer_ssh.py [--big-mb 1024] [--small 2000] [--repeat 5]
 
-Starts a real sshd on 127.0.0.1 (tests/sshd.py), then times, in one run:
+Starts a real sshd on 127.0.0.1 (tests/sshd.py), then times, in each of REPEAT runs (fresh
+folders and files, the same sshd):
   push   one big file, SMALL small files, and the small files again with one changed:
          `doit run push` (hashing, object upload, snapshot) vs `rsync -a` vs `scp -r`
   pull   the same files as a run's artifacts: `doit run pull verify` vs `rsync -a` + `sha256sum -c`
-and the peak resident memory of the tether process (GNU time's %M). Prints JSON with ratios.
+and the peak resident memory of the tether process (GNU time's %M). Prints JSON: per case the
+median seconds of each tool, the median of the runs' ratios to rsync and every run's ratio, and
+the peak memory's maximum over the runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,33 +124,61 @@ def case(bench: Bench, name: str, payload: Path, change_one: bool = False) -> di
     return result
 
 
+BASES = ("rsync", "rsync+sha256sum")  # what the ratios are to
+
+
 def ratios(result: dict) -> dict:
+    """Each tool's seconds over rsync's (or rsync and sha256sum's), per measurement of one run."""
     out = {}
     for key, values in result.items():
         if isinstance(values, dict):
             base = values.get("rsync", values.get("rsync+sha256sum"))
-            out[key] = {k: round(v / base, 2) for k, v in values.items()}
+            out[key] = {k: round(v / base, 2) for k, v in values.items() if k not in BASES}
     return out
+
+
+def one_run(root: Path, server: SSHServer, big_mb: int, small: int) -> dict:
+    """Both cases, in the fresh folder `root` (removed afterwards: a 1 GiB case leaves several copies)."""
+    root.mkdir()
+    try:
+        bench = Bench(root, server)
+        make_big(root / "big-src", big_mb)
+        make_small(root / "small-src", small)
+        return {f"one {big_mb} MiB file": case(bench, "big", root / "big-src"),
+                f"{small} small files": case(bench, "small", root / "small-src", change_one=True)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def summary(runs: list[dict]) -> dict:
+    """One case over every run: median seconds per tool, median and every ratio, peak memory's maximum."""
+    timed_keys = [k for k, v in runs[0].items() if isinstance(v, dict)]
+    each = [ratios(r) for r in runs]
+    return {
+        "seconds_median": {k: {tool: round(statistics.median(r[k][tool] for r in runs), 2) for tool in runs[0][k]}
+                           for k in timed_keys},
+        "ratio_to_rsync_median": {k: {tool: round(statistics.median(r[k][tool] for r in each), 2)
+                                      for tool in each[0][k]} for k in timed_keys},
+        "ratios_to_rsync": {k: {tool: [r[k][tool] for r in each] for tool in each[0][k]} for k in timed_keys},
+        "peak_rss_mb_max": {k: round(max(r[k] for r in runs), 1) for k, v in runs[0].items()
+                            if not isinstance(v, dict)},
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--big-mb", type=int, default=1024)
     parser.add_argument("--small", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=5, help="whole comparisons, each in fresh folders")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tether-bench-"))
     server = SSHServer(root / "sshd").start()
     try:
-        bench = Bench(root, server)
-        make_big(root / "big-src", args.big_mb)
-        make_small(root / "small-src", args.small)
-        results = {f"one {args.big_mb} MiB file": case(bench, "big", root / "big-src"),
-                   f"{args.small} small files": case(bench, "small", root / "small-src", change_one=True)}
+        runs = [one_run(root / f"run{i}", server, args.big_mb, args.small) for i in range(args.repeat)]
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    report = {name: {"seconds": {k: ({n: round(t, 2) for n, t in v.items()} if isinstance(v, dict) else round(v, 1))
-                                 for k, v in r.items()}, "ratio_to_rsync": ratios(r)} for name, r in results.items()}
+    report = {"repeat": args.repeat, **{name: summary([r[name] for r in runs]) for name in runs[0]}}
     print(json.dumps(report, indent=2))
 
 

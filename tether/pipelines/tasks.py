@@ -7,6 +7,8 @@ is only a cache: losing it to a SIGKILL makes a phase look again, never redo its
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 import signal
 import sys
 from typing import Any, Callable
@@ -15,9 +17,9 @@ from doit.exceptions import TaskFailed, UnmetDependency
 from doit.reporter import ConsoleReporter
 
 from tether import config as config_mod
-from tether import sweep
+from tether import sweep, yamlfile
 from tether.errors import ConfigError, TetherError
-from tether.pipelines import observe, phases, repro, report, results
+from tether.pipelines import phases
 from tether.pipelines.session import Session, check_variables, flag
 
 DOIT_CONFIG = {
@@ -80,12 +82,23 @@ def resume_hint(session: Session | None) -> str:
 Opener = Callable[[], Session]
 
 
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """`tether.pipelines.<module>.<name>`, imported at its first call: a no-op `train` imports no
+    observer, report or repro code."""
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(f"tether.pipelines.{module}"), name)(*args)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
 def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable[[], Any]]:
     """`task_*` functions for doit; `variables()` gives the command line's key=value words.
 
     With a `sweep:` in the config, every per-run task has one sub-task per point
-    (`train:lr:0.001,seed:2`), and the plain name (`train`) runs them all.
+    (`train:lr:0.001,seed:2`), and the plain name (`train`) runs them all. Config parses are kept
+    in .tether/parsed.json, beside doit's database: an unchanged file is not parsed again.
     """
+    yamlfile.cache_parses(os.path.abspath(os.path.join(".tether", "parsed.json")))
 
     @functools.lru_cache(maxsize=1)
     def session() -> Session:
@@ -181,6 +194,12 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         """A task that looks at one run, or at every point of a sweep at once."""
         return lambda: dict(doc=doc, actions=[action(session, sweep_phase if points() else phase)], **extra)
 
+    def fixed(doc: str, *actions: Any, **extra: Any) -> Callable[[], dict]:
+        """A task of the whole config, the same with or without a sweep. (A creator defined in one
+        short line: doit tokenizes every creator's source to order them, and a lambda's runs to the
+        end of its statement, here the whole dict below.)"""
+        return lambda: dict(doc=doc, actions=list(actions), **extra)
+
     return {
         "task_up": up,
         "task_push": per_run("push", "upload the code and data the far side lacks; freeze the code snapshot",
@@ -195,23 +214,24 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         "task_down": per_run("down", "remove the far-side run dir; refused until PULL_VERIFIED.json matches "
                                      "the far side's manifest (confirm=yes)", down),
         "task_status": whole("state, step, loss, heartbeat and place of a run, or of every sweep point (json=1)",
-                             observe.status, observe.sweep_status),
+                             lazy("observe", "status"), lazy("observe", "sweep_status")),
         "task_tail": per_run("tail", "print the run's log, following it until the run ends",
-                             simple(observe.tail, io={"capture": False})),
+                             simple(lazy("observe", "tail"), io={"capture": False})),
         "task_stop": per_run("stop", "SIGTERM the run, SIGKILL after grace_seconds, and say what happened",
-                             simple(observe.stop)),
-        "task_prune": lambda: dict(doc="remove far-side objects that no run references (after `down`s)",
-                                   actions=[action(session, observe.prune)]),
+                             simple(lazy("observe", "stop"))),
+        "task_prune": fixed("remove far-side objects that no run references (after `down`s)",
+                            action(session, lazy("observe", "prune"))),
         "task_report": whole("curves and a Markdown summary from the verified files; for a sweep, results.json, "
-                             "a table and a figure with error bars", report.report, results.report),
-        "task_check": lambda: dict(doc="preflight the backend: could a run start there? (json=1)",
-                                   actions=[action(session, observe.check)]),
-        "task_repro": lambda: dict(doc="re-run recorded runs (a run folder, results.json or its provenance "
-                                       "file) and compare: tether repro PATH [backend=NAME]",
-                                   actions=[lambda paths: action(recorded, repro.repro, paths)()], pos_arg="paths",
-                                   io={"capture": False}),
-        "task_validate": lambda: dict(doc="report every config problem at once (strict=1: warnings fail too)",
-                                      actions=[functools.partial(validate, variables)]),
+                             "a table and a figure with error bars", lazy("report", "report"),
+                             lazy("results", "report")),
+        "task_check": fixed("preflight the backend: could a run start there? (json=1)",
+                            action(session, lazy("observe", "check"))),
+        "task_repro": fixed("re-run recorded runs (a run folder, results.json or its provenance file) and "
+                            "compare: tether repro PATH [backend=NAME]",
+                            lambda paths: action(recorded, lazy("repro", "repro"), paths)(), pos_arg="paths",
+                            io={"capture": False}),
+        "task_validate": fixed("report every config problem at once (strict=1: warnings fail too)",
+                               functools.partial(validate, variables)),
     }
 
 

@@ -7,7 +7,6 @@ import hashlib
 import io
 import os
 import sys
-import tarfile
 import threading
 import time
 import uuid
@@ -148,6 +147,8 @@ def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any
     the far side's copy changed after sealing: `changed(path, wanted, got)` is raised. Each file
     is hashed from the bytes written, and remembered, so a verify in this process need not read it.
     """
+    import tarfile  # only a pull needs it
+
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
         for member in tar.getmembers():
             if member.name not in expected or not member.isfile():

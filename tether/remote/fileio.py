@@ -8,7 +8,6 @@ import io
 import json
 import os
 import stat
-import tarfile
 from typing import Any, BinaryIO, Callable, List, Optional, Tuple
 
 CHUNK = 1 << 20  # 1 MiB reads: past this, hashing speed no longer improves
@@ -95,6 +94,8 @@ def sha256_regular(path: str) -> Tuple[str, int]:
 
 def tar_bytes(files: List[Tuple[str, str]]) -> bytes:
     """A tar, in memory, of local files: [(name in the archive, local path)] (one batch of small files)."""
+    import tarfile  # only a push needs it
+
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for name, local in files:

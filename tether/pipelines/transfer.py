@@ -12,8 +12,8 @@ import time
 import uuid
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
-from tether.errors import BackendError, ManifestError
 from tether import manifest
+from tether.errors import BackendError, ManifestError
 from tether.manifest import PART
 from tether.remote.fileio import CHUNK, sha256_file
 
@@ -172,6 +172,8 @@ def unpack(data: bytes, expected: dict[str, tuple[str, int, str]], progress: Any
 def tar_into(out: Any, files: list[tuple[str, str]], moved: Callable[[int], None]) -> None:
     """Write the local files [(name in the archive, path)] to the file `out` as one tar stream, in
     1 MiB pieces: memory stays flat however large a file is; `moved(n)` after each file."""
+    import tarfile  # only a push needs it
+
     with tarfile.open(fileobj=out, mode="w|", bufsize=TAR_BUFFER) as tar:
         for name, local in files:
             with open(local, "rb") as f:

@@ -15,7 +15,7 @@ from tether.paths import RunPaths
 from tether.pipelines import resuming
 from tether.pipelines.session import Session, flag
 from tether.remote.endings import words as signal_words
-from tether.remote.protocol import ERROR, Snapshot
+from tether.remote.protocol import ERROR, FAILED, PENDING, PREEMPTED, RUNNING, Snapshot
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves (tqdm's nested bars)
 
@@ -123,7 +123,7 @@ def status(s: Session) -> None:
     if flag(s.variables, "json"):
         print(json.dumps(info, sort_keys=True))
         return
-    ended = signal_words(info) if info["status"] in ("failed", "preempted") else ""
+    ended = signal_words(info) if info["status"] in (FAILED, PREEMPTED) else ""
     print(f"{info['run_id']}: {info['status']}" + (f" ({ended})" if ended else ""))
     lineage = resuming.lineage(info)
     if lineage:
@@ -182,7 +182,7 @@ def tail(s: Session, poll_s: float = 0.5) -> None:
         snap = s.snapshot(run, fresh=True)
         sys.stdout.write(reader.read_bytes().decode(errors="replace"))
         sys.stdout.flush()
-        if snap.status not in ("running", "pending"):
+        if snap.status not in (RUNNING, PENDING):
             sys.stdout.write(reader.read_bytes().decode(errors="replace"))
             print(f"[run {run.run_id} is {snap.status}]")
             return

@@ -22,7 +22,8 @@ from tether.pipelines import resuming, transfer
 from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
 from tether.pipelines.session import Session, flag
 from tether.remote.fileio import atomic_write_json, read_json
-from tether.remote.protocol import ABSENT, ALREADY_RUNNING, ERROR, FINISHED, STARTED, Snapshot
+from tether.remote.protocol import (ABSENT, ALREADY_RUNNING, CANCELLED, COMPLETED, ENDED_BADLY, ERROR, FAILED, FINISHED,
+                                    LOST, PENDING, PREEMPTED, RUNNING, STARTED, STOPPED, Snapshot)
 from tether.remote.rundir import restart_allowed
 
 
@@ -65,16 +66,16 @@ def launch_done(s: Session) -> bool:
     if watch_done(s):
         return True
     snap = s.snapshot(run)
-    queued = snap.status == "pending" and snap.queue  # waiting in the scheduler's queue
-    ended = snap.final and snap.status == "completed"  # stopped: resumed; failed: refused
-    return snap.status == "running" or ended or bool(queued)
+    queued = snap.status == PENDING and snap.queue  # waiting in the scheduler's queue
+    ended = snap.final and snap.status == COMPLETED  # stopped: resumed; failed: refused
+    return snap.status == RUNNING or ended or bool(queued)
 
 
 def watch_done(s: Session) -> bool:
     run = s.current()
     if run is None:
         return False
-    return resuming.verified_complete(run) or (read_json(run.stamp("watch")) or {}).get("status") == "completed"
+    return resuming.verified_complete(run) or (read_json(run.stamp("watch")) or {}).get("status") == COMPLETED
 
 
 def pulled_done(s: Session) -> bool:
@@ -144,10 +145,10 @@ def launch(s: Session) -> str:
     # An ended run runs again only by an explicit verb: a stopped one resumes, retry=1 relaunches a
     # failed one; relaunch() refuses the rest in one line, or answers "" (completed: left alone).
     retry = flag(s.variables, "retry")
-    if snap.final and snap.status not in ("stopped", "completed") and not retry:
+    if snap.final and snap.status not in (STOPPED, COMPLETED) and not retry:
         raise RunError(_ended_message(s, run, snap))  # failed or preempted: never relaunched silently
     reopened = resuming.relaunch(s, run, snap, retry) if snap.final else "open"
-    if snap.status == "running" or reopened in ("", "running"):
+    if snap.status == RUNNING or reopened in ("", RUNNING):
         write_stamp(run, "launch", outcome="already " + snap.status)
         return f"{run.run_id}: already {snap.status}; not launched again"
     if s.backend.launches_arrays and s.siblings:
@@ -166,7 +167,7 @@ def launch(s: Session) -> str:
 
 def _record_launch(s: Session, run: RunPaths, snap: Snapshot) -> None:
     """run.json, here and on the far side, with the artifact roster as of launch."""
-    if snap.status in ("absent", "pending"):
+    if snap.status in ("absent", PENDING):
         record = dict(s.record(run), artifacts=list(s.job.artifacts))
         atomic_write_json(run.run_json, record)
         s.backend.far.put(run.remote_file("run.json"), json.dumps(record, indent=2, sort_keys=True).encode())
@@ -220,14 +221,14 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             _show_queue(progress, run, snap, seen)
             if snap.final and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
-            if snap.status in ("preempted", "failed", "lost", "cancelled") and _settled(s, snap, seen):
+            if snap.status in ENDED_BADLY and _settled(s, snap, seen):
                 _restart(s, run, snap)
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)
             time.sleep(interval)
     state = snap.state
     write_stamp(run, "watch", status=snap.status, exit_code=state.get("exit_code"))
-    if snap.status != "completed":
+    if snap.status != COMPLETED:
         raise RunError(_ended_message(s, run, snap))
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
@@ -286,10 +287,10 @@ def _restart(s: Session, run: RunPaths, snap: Snapshot) -> None:
               f"(restart {restarts + 1} of at most {most}, {result.outcome})", file=sys.stderr)
         return
     scheduler = snap.scheduler or {}
-    if status == "cancelled":
+    if status == CANCELLED:
         raise RunError(f"run {run.run_id}: SLURM job {snap.get('job_id')} {scheduler.get('words')}; "
                        f"`doit run train` submits it again, resuming from its latest checkpoint")
-    if status == "lost":
+    if status == LOST:
         why = (f"SLURM job {snap.get('job_id')} {scheduler['words']} (exit code {scheduler.get('exit_code')})"
                if scheduler else "its launcher and trainer are gone without an exit record (machine rebooted?)")
         raise RunError(f"run {run.run_id} was lost: {why}, before it could checkpoint and exit. "
@@ -319,15 +320,15 @@ def _ended_words(s: Session, snap: Snapshot) -> str:
                 f"(launcher.log has the traceback; please report it)")
     if state.get("resume_error"):
         return f"failed before its trainer started: {state['resume_error']}"
-    if snap.status == "stopped":
+    if snap.status == STOPPED:
         return (f"stopped (exit code {state.get('exit_code')}); {_checkpoint_words(state)}: "
                 f"`doit run train` resumes it" + (" from there" if state.get("checkpoint") else ""))
     text = resuming.how_it_ended(snap)
-    if snap.status == "preempted":  # final: the restart policy will not resume it
+    if snap.status == PREEMPTED:  # final: the restart policy will not resume it
         restart = s.job.restart
         used = f", {state.get('restarts', 0)} of {restart.max_restarts} restarts used" if restart.policy != "never" else ""
         text += f" and is not restarted (restart policy {restart.policy!r}{used})"
-    if snap.status in ("preempted", "failed"):
+    if snap.status in (PREEMPTED, FAILED):
         text += f"; {_checkpoint_words(state)}: {resuming.retry_hint(state)}"
     return text
 
@@ -340,13 +341,13 @@ def _checkpoint_words(state: dict) -> str:
 def _check_health(s: Session, run: RunPaths, snap: Snapshot) -> None:
     status, state = snap.status, snap.state
     age = snap.heartbeat_age_s
-    beating = status == "running" and state.get("status") == "running"  # not a requeued job starting up
+    beating = status == RUNNING and state.get("status") == RUNNING  # not a requeued job starting up
     if beating and age is not None and age > s.job.heartbeat_timeout_s:
         raise RunError(f"run {run.run_id}: no heartbeat for {age:.0f}s (heartbeat_timeout_s is "
                        f"{s.job.heartbeat_timeout_s:.0f}): the far side may be hung; `doit status` to look, "
                        f"`doit stop` to end it")
     started = state.get("started_at")
-    if status == "running" and started and snap.now - started > s.job.max_wall_seconds:
+    if status == RUNNING and started and snap.now - started > s.job.max_wall_seconds:
         outcome = s.backend.stop(run, s.job.grace_seconds)
         raise RunError(f"run {run.run_id} passed max_wall_seconds ({s.job.max_wall_seconds:.0f}s) "
                        f"and was stopped ({outcome.outcome})")

@@ -17,7 +17,7 @@ from tether.errors import ConfigError
 from tether.paths import RunPaths, check_run_id
 from tether.remote.endings import words as signal_words
 from tether.remote.fileio import read_json
-from tether.remote.protocol import Snapshot
+from tether.remote.protocol import COMPLETED, Snapshot
 
 if TYPE_CHECKING:
     from tether.pipelines.session import Session
@@ -100,7 +100,7 @@ def how_it_ended(snap: Snapshot) -> str:
 def relaunch(s: "Session", run: RunPaths, snap: Snapshot, retry: bool) -> str:
     """An ended run asked to run again (a stopped one, or any with retry=1): reopened on the far side and
     archived here; a completed one never runs again. The far side's outcome ("" when left alone)."""
-    if snap.status == "completed":
+    if snap.status == COMPLETED:
         if retry:
             raise ConfigError(f"retry=1: run {run.run_id} completed, and a completed run is final: change the "
                               f"code or config for a new run, or pass resume_from={run.run_id} to start one "
@@ -154,4 +154,4 @@ def verified_complete(run: RunPaths) -> bool:
     counts as complete): only then may the forward phases skip the run."""
     if not manifest.still_verified(run):
         return False
-    return (read_json(run.manifest) or {}).get("status", "completed") == "completed"
+    return (read_json(run.manifest) or {}).get("status", COMPLETED) == COMPLETED

@@ -35,24 +35,24 @@ class TestSlurmBackend(BackendContract):
     # ------------------------------------------------------------ adapted for SLURM
 
     def test_launch_runs_to_completion_and_seals_a_true_manifest(self, backend, make_run, cluster):
-        """The contract's version asserts `launch(run)["state"]["attempt"] == 1`: the local and ssh
+        """The contract's version asserts `launch(run).state["attempt"] == 1`: the local and ssh
         backends return once the launcher holds the run. sbatch returns when the job is queued (on a
         real cluster it may wait there for hours), so here `launch` answers with the job id and the
         attempt is asserted once the job runs. Everything else is the contract's test."""
         run = make_run("--wait")
         started = backend.launch(run)
-        assert started["outcome"] == "started", started
-        job_id = started["job_id"]
+        assert started.outcome == "started", started
+        job_id = started.job_id
         assert job_id.isdigit(), started
         record = json.loads(backend.filesystem().cat_file(run.remote_file("slurm.json")))
         assert record["job_id"] == job_id and record["jobs"] == [job_id]
         assert f"--comment=tether:{run.run_id}" in record["flags"]
         self.wait_event(backend, run, "ready")
         live = backend.state(run)
-        assert live["status"] == "running" and live["alive"] is True and live["sealed"] is False
-        assert live["job_id"] == job_id and live["queue"]["state"] == "RUNNING"
-        assert live["state"]["attempt"] == 1
-        assert live["state"]["launcher_version"] == backend.version  # the shipped copy runs, not another
+        assert live.status == "running" and live.alive is True and live.sealed is False
+        assert live.job_id == job_id and live.queue["state"] == "RUNNING"
+        assert live.state["attempt"] == 1
+        assert live.state["launcher_version"] == backend.version  # the shipped copy runs, not another
         self.complete_and_check_manifest(backend, run)
         scheduler = wait_for(lambda: "JobState=COMPLETED" in cluster.run("scontrol", "show", "job", "-o", job_id),
                              f"job {job_id} to be COMPLETED")

@@ -459,13 +459,13 @@ def test_one_polling_cycle_is_one_far_side_command(project, cluster, remote):
     snaps = backend.states([run])
     assert backend.commands - before == 1
     snap = snaps[run_id]
-    assert snap["status"] == "running" and snap["alive"] is True
-    assert snap["job_id"] == job_id and snap["queue"]["state"] == "RUNNING"  # squeue was in that one command
+    assert snap.status == "running" and snap.alive is True
+    assert snap.job_id == job_id and snap.queue["state"] == "RUNNING"  # squeue was in that one command
 
     before = backend.commands
     snaps = backend.states([run, other])
     assert backend.commands - before == 1
-    assert snaps[run_id]["queue"]["state"] == "RUNNING" and snaps[other.run_id]["status"] == "absent"
+    assert snaps[run_id].queue["state"] == "RUNNING" and snaps[other.run_id].status == "absent"
 
 
 # ---------------------------------------------------------------- requeue, time limit

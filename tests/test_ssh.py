@@ -309,8 +309,9 @@ with open(os.path.join(os.environ["TETHER_ARTIFACTS_DIR"], "model.json"), "w") a
 """
 
 
-def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, tmp_path):
+def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, tmp_path, monkeypatch):
     server = servers(tmp_path / "sshd").start()
+    monkeypatch.setenv("TETHER_TRACE", "1")  # the far-side requests on doit's stderr: watch's probes are seen there
     use_trainer(project, "waiter.py", WAITER, server.backend_config(far, connect_timeout_s=3), "model.json")
     bg = Background(project.start("run", "train"))
     try:
@@ -323,7 +324,8 @@ def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, 
         # stop sshd while watch's probe of the run is under way: the loss then surfaces in the
         # probe, which watch retries (see test_event_reading_reports_a_lost_connection_as_a_backend_error
         # for a loss that surfaces in the events read right after it)
-        poll(lambda: launcher_probes(far_run(far, run_id)), timeout=30, what="watch probing the run", interval=0.001)
+        before = probes_sent(bg)
+        poll(lambda: probes_sent(bg) > before, timeout=30, what="watch probing the run", interval=0.001)
         server.stop()  # the listener and the connection watch is using
         project.wait_for(lambda: "retrying" in bg.output() or bg.proc.poll() is not None, timeout=30,
                          what="watch noticing the lost connection")
@@ -346,14 +348,10 @@ def test_sshd_stopped_during_watch_then_rerun_reattaches(project, servers, far, 
     assert_verified(project, far, run_id, artifacts=("model.json",))
 
 
-def launcher_probes(run_dir: Path) -> set[int]:
-    """Pids of far-side `launcher.py probe` commands looking at this run right now (watch polls with them)."""
-    found = set()
-    for pid, cmdline in command_lines().items():
-        argv = cmdline.split(b"\0")
-        if b"probe" in argv and str(run_dir).encode() in argv:
-            found.add(pid)
-    return found
+def probes_sent(bg: Background) -> int:
+    """How many `probe` requests this background doit has sent to the far side's serve process (watch
+    polls with them; TETHER_TRACE=1 names each request on stderr as it is sent, a progress bar may precede one)."""
+    return len(re.findall(r"\[far [^\]\n]*\] probe\b", bg.text()))
 
 
 def test_event_reading_reports_a_lost_connection_as_a_backend_error(servers, far, tmp_path):
@@ -369,6 +367,7 @@ def test_event_reading_reports_a_lost_connection_as_a_backend_error(servers, far
     server = servers(tmp_path / "sshd").start()
     backend = Backend("lab", Config(**server.backend_config(far, connect_timeout_s=3)), str(tmp_path / ".tether"))
     run = RunPaths("demo-20250101T000000Z-0123abcd", str(tmp_path / ".tether"), backend.remote_dir)
+    backend.install_launcher()  # the first contact claims remote_dir, as `up` does, before anything is put there
     fs = backend.filesystem()
     fs.makedirs(run.remote, exist_ok=True)
     fs.pipe_file(run.remote_file("events.jsonl"), b'{"event": "step", "step": 1}\n')

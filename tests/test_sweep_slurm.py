@@ -296,14 +296,14 @@ def test_one_poll_of_a_sweep_is_one_command_and_one_squeue(project, cluster, rem
         assert other.snapshots is shared  # one cache shared by the sweep's points
     states = {}
     for run_id, snap in cache.items():
-        assert snap["job_id"] == records[run_id]["job_id"], (run_id, snap)
-        assert snap["job_id"].startswith(f"{array_job}_")
-        assert "queue" in snap, (run_id, snap)  # squeue listed it (pending or running)
-        states[run_id] = snap["queue"]["state"]
+        assert snap.job_id == records[run_id]["job_id"], (run_id, snap)
+        assert snap.job_id.startswith(f"{array_job}_")
+        assert snap.queue is not None, (run_id, snap)  # squeue listed it (pending or running)
+        states[run_id] = snap.queue["state"]
     assert "RUNNING" in states.values(), states
     for run_id, state in states.items():  # the scheduler's word decides queued or running
         if state in ("RUNNING", "PENDING"):
-            assert cache[run_id]["status"] == state.lower(), cache[run_id]
+            assert cache[run_id].status == state.lower(), cache[run_id]
 
     # a second poll from another point: again one command and one squeue, and nothing fetched twice
     calls, commands = len(squeue_calls(logged_login.log)), s.backend.commands

@@ -114,7 +114,7 @@ def queue_text(snap: Snapshot) -> Optional[str]:
         return None
     reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
     text = f"RUNNING on {queue['nodes']}" if queue["state"] == "RUNNING" else f"{queue['state']}{reason}"
-    return f"job {snap.get('job_id')} {text}"
+    return f"job {snap.job_id} {text}"
 
 
 def status(s: Session) -> None:

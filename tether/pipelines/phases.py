@@ -288,10 +288,10 @@ def _restart(s: Session, run: RunPaths, snap: Snapshot) -> None:
         return
     scheduler = snap.scheduler or {}
     if status == CANCELLED:
-        raise RunError(f"run {run.run_id}: SLURM job {snap.get('job_id')} {scheduler.get('words')}; "
+        raise RunError(f"run {run.run_id}: SLURM job {snap.job_id} {scheduler.get('words')}; "
                        f"`doit run train` submits it again, resuming from its latest checkpoint")
     if status == LOST:
-        why = (f"SLURM job {snap.get('job_id')} {scheduler['words']} (exit code {scheduler.get('exit_code')})"
+        why = (f"SLURM job {snap.job_id} {scheduler['words']} (exit code {scheduler.get('exit_code')})"
                if scheduler else "its launcher and trainer are gone without an exit record (machine rebooted?)")
         raise RunError(f"run {run.run_id} was lost: {why}, before it could checkpoint and exit. "
                        f"`doit run train` relaunches it from its latest checkpoint")

@@ -133,7 +133,11 @@ class Backend:
         return self.transport.missing_program_hint(program)
 
     def filesystem(self) -> Any:
-        """An fsspec filesystem whose root is remote_dir (for what the protocol does not carry)."""
+        """An fsspec filesystem whose root is remote_dir (for what the protocol does not carry).
+
+        The far side is contacted first, so remote_dir is claimed (or refused) before anything is
+        written there through the filesystem."""
+        self.far.channel()
         return self.transport.filesystem(self.remote_dir)
 
     def reconnect(self) -> None:

@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any, Callable
 
-from doit.exceptions import TaskFailed, UnmetDependency
+from doit.exceptions import TaskError, TaskFailed, UnmetDependency
 from doit.reporter import ConsoleReporter
 
 from tether import config as config_mod
@@ -42,6 +42,8 @@ class Reporter(ConsoleReporter):
     def add_failure(self, task: Any, fail: Any) -> None:
         self.failures.append({"task": task, "exception": fail})
         message = getattr(fail, "message", "") or fail.get_msg()
+        if isinstance(fail, TaskError):  # an exception tether did not expect: the traceback is the bug report
+            message = fail.get_msg()
         if isinstance(fail, UnmetDependency):  # with --continue: a task after one that failed
             sys.stderr.write(f"skipped: {task.name}, because {message.strip()} failed\n")
             fail.__class__ = SkippedAfterFailure  # doit would exit 2 ("a bug"); it is that failure: exit 1

@@ -736,7 +736,7 @@ def test_only_plain_documents_are_kept(project, kept, old, new):
 
 def test_a_damaged_cache_is_parsed_past_and_replaced(project, kept):
     path = str(project.write_config(BASE))
-    kept.write_text('{"format": 1, "documents": [[')
+    kept.write_text('{"stamp": [1], "documents": [[')
     assert config.load(path).name == "demo"
     assert isinstance(yamlfile.parse_yaml(path), yamlfile.CachedMap)
     for n in range(yamlfile.CACHE_ENTRIES + 2):

@@ -22,9 +22,9 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_VALUES = 100_000
 MAX_TEXT_CHARS = 10 << 20
 MAX_FLOW_DEPTH = 64  # a config nests a few levels; ruamel takes seconds on 1000 levels of [, then crashes
-# Importing ruamel and its round-trip load take about 20 ms of a no-op `doit run train`; a kept
-# parse reads back in under 1 ms. A few per project (one per file, edit and interpreter in
-# use); a text far above a config's few KB is parsed each time rather than kept.
+# Importing ruamel and its round-trip load take about 20 ms, a fifth of what tether adds to a no-op
+# `doit run train`; a kept parse reads back in well under 1 ms. A few configs per project (one per
+# file and edit in use); texts above a config's usual few KB are parsed each time.
 CACHE_ENTRIES = 8
 CACHE_MAX_CHARS = 64 << 10
 CACHE_FORMAT = 1
@@ -64,21 +64,19 @@ def read_text(path: str) -> str:
 
 def parse_yaml(path: str, cached: bool = True) -> Any:
     """The YAML document in `path`, with line numbers kept; from the kept parses when `cached` and
-    one of this exact text by this parser is there (its mappings and lists are then CachedMap and
-    CachedList)."""
+    one of this exact text is there (mappings and lists are then CachedMap and CachedList)."""
     text = read_text(path)
+    key = hashlib.sha256(text.encode()).hexdigest()
     if not (cached and _cache_file and len(text) <= CACHE_MAX_CHARS):
         return _parse(text, path)
-    key = _cache_key(text)
-    kept = _read_cache(_cache_file) if key else {}
-    if key in kept:
+    kept = _read_cache(_cache_file)
+    if key in kept["documents"]:
         try:
-            return _rebuilt(kept[key])
+            return _rebuilt(kept["documents"][key])
         except (KeyError, TypeError, ValueError, AttributeError):
             pass  # a damaged entry: parse again, and keep the new parse instead
     document = _parse(text, path)
-    if key:
-        _keep(_cache_file, kept, key, document)
+    _keep(_cache_file, kept, key, document)
     return document
 
 
@@ -247,44 +245,45 @@ def _rebuilt(data: Any) -> Any:
     return node
 
 
-def _cache_key(text: str) -> str:
-    """SHA-256 of the text and of the parser (size and mtime of this module and of ruamel's, so new
-    checks or a new ruamel parse again); '' when ruamel cannot be found."""
+def _parser_stamp() -> list:
+    """Size and mtime of this module and of ruamel's: a new parser (or new checks) starts a new cache."""
     import importlib.util
 
-    try:
-        spec = importlib.util.find_spec("ruamel.yaml")
-        files = [os.path.abspath(__file__), spec.origin if spec and spec.origin else ""]
-        parser = [[f, st.st_size, st.st_mtime_ns] for f in files for st in [os.stat(f)]]
-    except (ImportError, OSError, ValueError):
-        return ""
-    return hashlib.sha256(json.dumps([CACHE_FORMAT, parser, text]).encode()).hexdigest()
+    spec = importlib.util.find_spec("ruamel.yaml")
+    files = [os.path.abspath(__file__), spec.origin if spec and spec.origin else ""]
+    return [CACHE_FORMAT] + [[f, st.st_size, st.st_mtime_ns] for f in files for st in [os.stat(f)]]
 
 
 def _read_cache(path: str) -> dict:
-    """The kept parses in `path` by key, oldest first; none for a missing or damaged file."""
+    """The kept parses in `path` made by this parser, else none (a missing, damaged or older file)."""
+    try:
+        stamp = _parser_stamp()
+    except (ImportError, OSError, ValueError):
+        return {"stamp": None, "documents": {}}
     try:
         with open(path, "rb") as f:
             kept = json.loads(f.read())
-        if kept["format"] == CACHE_FORMAT:
-            return dict(kept["documents"])
+        if kept["stamp"] == stamp and isinstance(kept["documents"], list):
+            return {"stamp": stamp, "documents": dict(kept["documents"])}
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return {}
+    return {"stamp": stamp, "documents": {}}
 
 
 def _keep(path: str, kept: dict, key: str, document: Any) -> None:
     """Add `document` to the kept parses (the oldest leave past CACHE_ENTRIES); never fails a load."""
     from tether.remote.fileio import atomic_write_bytes
 
+    if kept["stamp"] is None:
+        return
     try:
-        kept.pop(key, None)  # a damaged entry, parsed again: now the newest
-        kept[key] = _plain(document)
+        kept["documents"].pop(key, None)  # a damaged entry, parsed again: now the newest
+        kept["documents"][key] = _plain(document)
     except _NotPlain:
         return
-    documents = list(kept.items())[-CACHE_ENTRIES:]
+    documents = list(kept["documents"].items())[-CACHE_ENTRIES:]
     try:
-        atomic_write_bytes(path, json.dumps({"format": CACHE_FORMAT, "documents": documents},
+        atomic_write_bytes(path, json.dumps({"stamp": kept["stamp"], "documents": documents},
                                             separators=(",", ":")).encode())
     except OSError:
         pass  # a read-only folder: every load parses

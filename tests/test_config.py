@@ -8,11 +8,7 @@ unit tests of `tether.config.load` and `tether.paths.check_run_id`, which call t
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-
 import pytest
 
 from conftest import config_text
@@ -675,80 +671,3 @@ def test_a_key_added_at_its_default_keeps_the_run_id(project):
     changed = Session(dataclasses.replace(later, trainer=dataclasses.replace(later.trainer, added_later=4)),
                       before.backend, before.state_dir, {})
     assert changed.job_hash != before.job_hash
-
-
-# ---------------------------------------------------------------- kept parses (yamlfile.cache_parses)
-
-KEPT_TEXTS = {
-    "clean": BASE,
-    "warnings at their lines": edit("heartbeat_timeout_s: 60", "heartbeat_timeout_s: 5", NO_ARTIFACTS),
-    "a sweep": edit("--epochs 3", "--epochs {epochs}", BASE) + "sweep: {epochs: [1, 2.5, 3]}\n",
-    "aliases and floats": edit("  local: {type: local}\n", "  local: &l {type: local, max_artifact_mb: 1.50}\n"
-                               "  spare: *l\n"),
-}
-
-
-@pytest.fixture
-def kept(tmp_path, monkeypatch):
-    """Parses kept in a file of their own for the test (the default, outside a doit run, keeps none)."""
-    monkeypatch.setattr(yamlfile, "_cache_file", None)
-    yamlfile.cache_parses(str(tmp_path / "parsed.json"))
-    return tmp_path / "parsed.json"
-
-
-@pytest.mark.parametrize("name", sorted(KEPT_TEXTS))
-def test_a_kept_parse_gives_the_same_job_and_warnings(project, kept, name):
-    path = str(project.write_config(KEPT_TEXTS[name]))
-    parsed = config.load(path)
-    assert not isinstance(yamlfile.parse_yaml(path, cached=False), yamlfile.CachedMap)
-    assert isinstance(yamlfile.parse_yaml(path), yamlfile.CachedMap)
-    again = config.load(path)
-    assert again == parsed and repr(again) == repr(parsed)
-    assert again.warnings == parsed.warnings
-    if name == "warnings at their lines":
-        assert len(again.warnings) == 2 and f"tether.yaml:{line_of(KEPT_TEXTS[name], 'heartbeat')}:" in again.warnings[1]
-
-
-def test_a_kept_parse_reports_problems_word_for_word(project, kept):
-    path = str(project.write_config(BASE))
-    config.load(path)  # kept now
-    (project.root / "demo" / "train.py").unlink()
-    with pytest.raises(ConfigError) as from_kept:
-        config.load(path)
-    yamlfile.cache_parses(None)
-    with pytest.raises(ConfigError) as parsed:
-        config.load(path)
-    assert from_kept.value.problems == parsed.value.problems
-    assert f"tether.yaml:{line_of(BASE, 'demo/train.py')}:" in from_kept.value.problems[0]
-
-
-@pytest.mark.parametrize("old, new", [("grace_seconds: 5", "grace_seconds: &g 5"),  # anchored: ScalarInt
-                                      ("local: {type: local}", "local: {type: local, max_artifact_mb: 0x10}"),
-                                      ('command: "{python} demo/train.py --epochs 3"',
-                                       "command: |\n    {python} demo/train.py --epochs 3")])
-def test_only_plain_documents_are_kept(project, kept, old, new):
-    """A value JSON would not give back as the same one (a hex or anchored number, a block string):
-    that file is parsed every time."""
-    path = str(project.write_config(edit(old, new)))
-    config.load(path)
-    assert not isinstance(yamlfile.parse_yaml(path), yamlfile.CachedMap)
-
-
-def test_a_damaged_cache_is_parsed_past_and_replaced(project, kept):
-    path = str(project.write_config(BASE))
-    kept.write_text('{"stamp": [1], "documents": [[')
-    assert config.load(path).name == "demo"
-    assert isinstance(yamlfile.parse_yaml(path), yamlfile.CachedMap)
-    for n in range(yamlfile.CACHE_ENTRIES + 2):
-        config.load(str(project.write_config(edit("name: demo", f"name: demo{n}"))))
-    assert len(json.loads(kept.read_text())["documents"]) == yamlfile.CACHE_ENTRIES
-
-
-def test_a_kept_parse_imports_no_ruamel(project, kept):
-    """What makes a no-op `doit run train` fast: the second load of an unchanged file never imports ruamel."""
-    path = str(project.write_config(BASE))
-    code = ("import sys; from tether import config, yamlfile; yamlfile.cache_parses(sys.argv[2]); "
-            "config.load(sys.argv[1]); print('ruamel.yaml' in sys.modules)")
-    seen = [subprocess.run([sys.executable, "-c", code, path, str(kept)], capture_output=True, text=True,
-                           check=True).stdout.strip() for _ in range(2)]
-    assert seen == ["True", "False"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from tether.errors import ConfigError
-from tether.yamlfile import CachedMap, parse_yaml
+from tether.yamlfile import parse_yaml
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,37}$")
 DEFAULT_EXCLUDES = (".git", ".tether", "__pycache__", "*.pyc", ".venv", "*.egg-info")
@@ -281,16 +281,6 @@ def load(path: str, backend: Optional[str] = None, files: bool = True) -> Job:
     `files=False` skips the checks of the code and data files (`repro` brings its own, by hash).
     """
     document = parse_yaml(path)
-    try:
-        return _load(path, document, backend, files)
-    except ConfigError:
-        if not isinstance(document, CachedMap):
-            raise
-    # A kept parse gives the same job; the messages come from ruamel's own document, every word as before.
-    return _load(path, parse_yaml(path, cached=False), backend, files)
-
-
-def _load(path: str, document: Any, backend: Optional[str], files: bool) -> Job:
     problems = Problems(path)
     trainer, backends = _sections(document, problems)
     job = build(Job, document, problems, "the job", skip=("trainer", "backends"))

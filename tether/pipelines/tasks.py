@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import signal
 import sys
 from typing import Any, Callable
@@ -17,7 +16,7 @@ from doit.exceptions import TaskError, TaskFailed, UnmetDependency
 from doit.reporter import ConsoleReporter
 
 from tether import config as config_mod
-from tether import sweep, yamlfile
+from tether import sweep
 from tether.errors import ConfigError, TetherError
 from tether.pipelines import phases
 from tether.pipelines.session import Session, check_variables, flag
@@ -97,10 +96,8 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
     """`task_*` functions for doit; `variables()` gives the command line's key=value words.
 
     With a `sweep:` in the config, every per-run task has one sub-task per point
-    (`train:lr:0.001,seed:2`), and the plain name (`train`) runs them all. Config parses are kept
-    in .tether/parsed.json, beside doit's database: an unchanged file is not parsed again.
+    (`train:lr:0.001,seed:2`), and the plain name (`train`) runs them all.
     """
-    yamlfile.cache_parses(os.path.abspath(os.path.join(".tether", "parsed.json")))
 
     @functools.lru_cache(maxsize=1)
     def session() -> Session:

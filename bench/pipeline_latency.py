@@ -5,9 +5,10 @@
 Runs in a fresh temporary project with the stdlib demo trainer (configs/demo), on the local
 backend, so the numbers are tether's overhead rather than a trainer's start-up. With `dvc` on
 PATH (or in $DVC), the same one-stage pipeline (the same command, code and data as deps, the
-artifacts as outs) is timed as a no-op `dvc repro` beside it, the two alternating, and the
-ratio of the medians is printed. tether runs from this checkout, its bytecode compiled first,
-as an installed package's (and DVC's) is; DVC runs without its analytics (DVC_NO_ANALYTICS).
+artifacts as outs) is timed as a no-op `dvc repro` beside it, the runs alternating, and the
+ratio of the medians is printed; so is the no-op of doit by itself (DOIT_ALONE): the part of
+tether's time that is the interpreter and doit. tether runs from this checkout, its bytecode
+compiled first, as an installed package's (and DVC's) is; DVC runs without its analytics.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ STAGE_ENV = {"TETHER_DATA_DIR": ".", "TETHER_ARTIFACTS_DIR": ".", "TETHER_EVENTS
              "TETHER_CHECKPOINT_DIR": "checkpoints", "PYTHONPATH": str(REPO)}
 
 
+# doit by itself: the same five up-to-date tasks as `train` (up, push, launch, watch, train), the same
+# dependency file, nothing else; what any dodo.py pays before tether does anything.
+DOIT_ALONE = """DOIT_CONFIG = {"default_tasks": ["train"], "dep_file": ".tether/doit.db", "backend": "tether-sqlite"}
+NAMES = ["up", "push", "launch", "watch", "train"]
+def creator(i):
+    return lambda: {"actions": [], "uptodate": [True], "task_dep": NAMES[i - 1:i] if i else []}
+globals().update(("task_" + name, creator(i)) for i, name in enumerate(NAMES))
+"""
+
+
 def make_project(root: Path) -> None:
     shutil.copytree(REPO / "configs" / "demo", root / "demo")
     shutil.copy(REPO / "dodo.py", root / "dodo.py")
@@ -60,6 +71,7 @@ def first_event_s(root: Path) -> float:
 
 
 def noop_s(root: Path) -> float:
+    """Seconds of a `doit run train` in `root` that runs nothing (everything is up to date)."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "doit", "run", "train"], cwd=root, env=ENV, capture_output=True,
                           text=True)
@@ -128,17 +140,21 @@ def main() -> None:
     dvc = dvc_program()
     found: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root, other = Path(tmp) / "tether", Path(tmp) / "dvc"
+        root, alone, other = Path(tmp) / "tether", Path(tmp) / "doit", Path(tmp) / "dvc"
         make_project(root)
         found["first_event_s"] = round(first_event_s(root), 3)
+        (alone / ".tether").mkdir(parents=True)
+        (alone / "dodo.py").write_text(DOIT_ALONE)
         if dvc:
             dvc_project(other, dvc)
-        noops, dvc_noops = [], []
-        for _ in range(args.repeat):  # alternating, so a busy moment slows both alike
+        noops, alone_noops, dvc_noops = [], [], []
+        for _ in range(args.repeat):  # alternating, so a busy moment slows each alike
             noops.append(noop_s(root))
+            alone_noops.append(noop_s(alone))
             if dvc:
                 dvc_noops.append(dvc_noop_s(other, dvc))
     found.update(noop_median_s=median(noops), noop_s=[round(n, 3) for n in noops],
+                 doit_alone_noop_median_s=median(alone_noops),
                  python_startup_s=round(startup_s(sys.executable, args.repeat), 3))
     if dvc:
         version = subprocess.run([dvc, "--version"], env=ENV, capture_output=True, text=True).stdout.strip()
@@ -147,6 +163,7 @@ def main() -> None:
                         "noop_s": [round(n, 3) for n in dvc_noops],
                         "python_startup_s": round(startup_s(python, args.repeat), 3) if python else None}
         found["ratio_tether_to_dvc"] = round(statistics.median(noops) / statistics.median(dvc_noops), 3)
+        found["ratio_doit_alone_to_dvc"] = round(statistics.median(alone_noops) / statistics.median(dvc_noops), 3)
     print(json.dumps(found, indent=2))
     if dvc:
         print(f"no-op: tether {found['noop_median_s']} s, DVC {median(dvc_noops)} s: "

@@ -47,7 +47,8 @@ def timed(argv: list[str], cwd: Path | None = None) -> tuple[float, int]:
 
 
 class Bench:
-    def __init__(self, root: Path, server: SSHServer) -> None:
+    def __init__(self, root: Path, server: SSHServer, reuse: float | None = None) -> None:
+        self.reuse = reuse  # reuse_connection_s for tether (None: its default)
         self.root, self.server = root, server
         self.ssh = (f"ssh -i {server.client_key} -p {server.port} -o BatchMode=yes "
                     f"-o UserKnownHostsFile={server.known_hosts}")
@@ -60,6 +61,9 @@ class Bench:
         (proj / "copy_payload.py").write_text(TRAINER)
         shutil.move(str(payload), proj / "payload")
         backend = self.server.backend_config(self.root / f"{name}-remote")
+        backend.pop("reuse_connection_s")  # tether's default: the connection is kept for the next command
+        if self.reuse is not None:
+            backend["reuse_connection_s"] = self.reuse
         (proj / "tether.yaml").write_text(
             f"name: {name}\nbackend: lab\ncode: {{paths: [copy_payload.py]}}\ndata: {{paths: [payload]}}\n"
             f"trainer: {{type: command, command: \"{{python}} copy_payload.py\"}}\nartifacts: [\"payload/**\"]\n"
@@ -137,11 +141,11 @@ def ratios(result: dict) -> dict:
     return out
 
 
-def one_run(root: Path, server: SSHServer, big_mb: int, small: int) -> dict:
+def one_run(root: Path, server: SSHServer, big_mb: int, small: int, reuse: float | None) -> dict:
     """Both cases, in the fresh folder `root` (removed afterwards: a 1 GiB case leaves several copies)."""
     root.mkdir()
     try:
-        bench = Bench(root, server)
+        bench = Bench(root, server, reuse)
         make_big(root / "big-src", big_mb)
         make_small(root / "small-src", small)
         return {f"one {big_mb} MiB file": case(bench, "big", root / "big-src"),
@@ -170,15 +174,18 @@ def main() -> None:
     parser.add_argument("--big-mb", type=int, default=1024)
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=5, help="whole comparisons, each in fresh folders")
+    parser.add_argument("--reuse-connection-s", type=float, default=None,
+                        help="tether's reuse_connection_s (default: tether's own; 0: a fresh ssh connection per command)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tether-bench-"))
     server = SSHServer(root / "sshd").start()
     try:
-        runs = [one_run(root / f"run{i}", server, args.big_mb, args.small) for i in range(args.repeat)]
+        runs = [one_run(root / f"run{i}", server, args.big_mb, args.small, args.reuse_connection_s)
+                for i in range(args.repeat)]
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    report = {"repeat": args.repeat, **{name: summary([r[name] for r in runs]) for name in runs[0]}}
+    report = {"repeat": args.repeat, "reuse_connection_s": args.reuse_connection_s, **{name: summary([r[name] for r in runs]) for name in runs[0]}}
     print(json.dumps(report, indent=2))
 
 

@@ -110,6 +110,6 @@ class SSHServer:
         config = {"type": "ssh", "host": "127.0.0.1", "port": self.port, "user": "root",
                   "identity_file": str(self.client_key), "known_hosts": str(self.known_hosts),
                   "python": sys.executable, "remote_dir": str(remote_dir), "gpus": "none",
-                  "connect_timeout_s": 5}
+                  "connect_timeout_s": 5, "reuse_connection_s": 0}  # a test counts its own connections
         config.update(extra)
         return config

@@ -243,6 +243,29 @@ def test_a_whole_train_starts_two_far_side_pythons(project, sshd, far, tmp_path)
     assert len(tether_starts()) <= 1, tether_starts()  # a no-op: at most the serve process opened early
 
 
+def test_a_kept_connection_serves_the_next_command_and_only_with_the_same_key(project, far, tmp_path):
+    """reuse_connection_s: the second invocation rides the first one's connection (no new login); one
+    with another key gets its own connection, so a key that sshd refuses is refused."""
+    server = SSHServer(tmp_path / "own-sshd").start()  # its own log: no other test's logins in it
+    try:
+        def logins() -> int:
+            return server.log.read_text(errors="replace").count("Accepted publickey")
+
+        project.write_config(ssh_config_text(server, far, reuse_connection_s=30))
+        for _ in range(2):
+            done = project.doit("check")
+            assert done.returncode == 0, out(done)
+        poll(lambda: logins() > 0, 30, "sshd to log the login")
+        assert logins() == 1, "the second command did not reuse the first one's connection"
+        stranger = tmp_path / "stranger"
+        keygen(stranger, "not-authorized")
+        project.write_config(ssh_config_text(server, far, reuse_connection_s=30, identity_file=str(stranger)))
+        refused = project.doit("check")
+        assert refused.returncode != 0 and "authentication failed" in refused.stderr, out(refused)
+    finally:
+        server.stop()
+
+
 def test_ssh_config_alias_alone_reaches_the_host(project, sshd, far, tmp_path):
     """`host: <alias>` + `ssh_config:` only: port, user, key and known hosts all come from the file."""
     alias = f"tether-lab-{uuid.uuid4().hex[:6]}"

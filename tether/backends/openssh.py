@@ -7,6 +7,7 @@ command is shell-quoted. The ssh and slurm backends both ride it, each with its 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -247,10 +248,17 @@ def ssh_argv(cfg: Connection) -> list[str]:
     words = _ssh_words(cfg) + ["-T", "-o", f"ConnectTimeout={max(1, round(cfg.connect_timeout_s))}",
                                "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
     if cfg.reuse_connection_s > 0:  # the next invocation skips the handshake (as SkyPilot and Ansible do)
-        words += ["-o", "ControlMaster=auto", "-o", f"ControlPath={control_dir()}/%C",
+        words += ["-o", "ControlMaster=auto", "-o", f"ControlPath={control_dir()}/{_settings_key(cfg)}-%C",
                   "-o", f"ControlPersist={max(1, round(cfg.reuse_connection_s))}"]
     words = [os.path.expanduser(w) if w.startswith("~/") else w for w in words]
     return words + [f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host]
+
+
+def _settings_key(cfg: Connection) -> str:
+    """What else picks the connection (%C covers host, port and user): another key, known_hosts file
+    or ssh config gets a connection of its own, never one made and checked with other settings."""
+    words = [cfg.identity_file or "", cfg.known_hosts or "", cfg.ssh_config or ""]
+    return hashlib.sha256("\0".join(words).encode()).hexdigest()[:12]
 
 
 def control_dir() -> str:

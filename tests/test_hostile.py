@@ -1291,7 +1291,7 @@ def _tar_under_way(project, far, running) -> bool:
 
 
 STALL_CASES = [
-    pytest.param(_sftp_under_way, True, id="frozen during the SFTP download of a large file"),
+    pytest.param(_sftp_under_way, True, id="frozen during the resumable read of a large file"),
     pytest.param(_tar_under_way, False, id="frozen during the tar of small files"),
 ]
 

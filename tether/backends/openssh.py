@@ -92,7 +92,7 @@ class Connection(Shared):
 
 
 class SSHTransport(Transport):
-    """A far side reached over ssh: the serve channel through OpenSSH, files over SFTP."""
+    """A far side reached over ssh: the serve channel through OpenSSH (SFTP only for filesystem())."""
 
     opens_early = True  # the handshake takes a while: start it while this side still decides
 

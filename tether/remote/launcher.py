@@ -1,28 +1,18 @@
 """The far-side launcher: runs one trainer, records its life in files, seals the results.
 
-Copied to `<remote_dir>/tether/<version-hash>/` and run there as
-`python <version dir>/tether/remote/launcher.py COMMAND ...` (stdlib only, Python >= 3.8):
+Copied to `<remote_dir>/tether/<version-hash>/` (stdlib only, Python >= 3.8). Its functions are
+commands of the protocol's table (tether/remote/protocol.py), answered by the serve process:
+`start` (the run detached, in its own session, once it holds the lock), `probe` (one snapshot per
+run; SLURM runs read with one squeue), `stop` (SIGTERM the trainer's group, SIGKILL after the
+grace time, re-probe), `cancel` (SLURM's scancel), `reopen` (an ended run becomes startable as
+its next attempt), `checkpoint` (a run's latest checkpoint: path, bytes, SHA-256, step) and
+`remove` (an ended run's folder). As a program it runs one run in the foreground:
 
-    start RUN_DIR           start `run` detached (own session), return once it holds the lock
-    run RUN_DIR             run the trainer in the foreground (a SLURM job script calls this)
-    probe RUN_DIR...        one JSON snapshot per run: state, liveness, heartbeat age
-    stop RUN_DIR GRACE_S    SIGTERM the trainer's process group, SIGKILL after GRACE_S, re-probe
-    have OBJECTS_DIR        read SHA-256s on stdin, print the ones the object store lacks
-    receive OBJECTS_DIR     store the small files of a tar on stdin (named by SHA-256, checked)
-    send RUN_DIR            write the run files named on stdin (JSON) to stdout as a tar
-    materialize RUN_DIR     build code/, data/ and work/ from tree.json (given on stdin the first time)
-    prune REMOTE_DIR        remove objects that no run's tree.json references
-    seal RUN_DIR            build PULL_MANIFEST.json (once; it is immutable)
-    reopen RUN_DIR          an ended run (not completed) becomes startable as its next attempt: its
-                            manifest is archived as PULL_MANIFEST.attempt-N.json (explicit verbs only)
-    checkpoint RUN_DIR [REL] the run's latest checkpoint (or REL): path, bytes, SHA-256, step (resume_from=)
-    check                   the preflight (settings as JSON on stdin): Python, disk, GPUs, modules
-    submit RUN_DIR          SLURM: write job.sh and sbatch it, once per run (settings on stdin)
-    submit-array REMOTE_DIR SLURM: one job array for the run dirs on stdin that need a job
-    cancel RUN_DIR GRACE_S  SLURM: scancel --full --signal=TERM, then scancel; re-probe
+    python <version dir>/tether/remote/launcher.py run RUN_DIR     (the detached launcher, a SLURM job)
+    python <version dir>/tether/remote/launcher.py COMMAND '{json}' (any non-streaming command, by hand)
 
-`start` reads its settings as JSON on stdin (extra environment, GPU choice): secrets never
-appear on a command line, and land in RUN_DIR/launch_env.json with mode 0600.
+`start`'s settings (extra environment, GPU choice) come in the request: secrets never appear on
+a command line, and land in RUN_DIR/launch_env.json with mode 0600.
 
 Liveness is an flock on RUN_DIR/launcher.lock, held by the launcher and inherited by the
 trainer: the kernel releases it when both are gone, whatever killed them, so a dead run can

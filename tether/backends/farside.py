@@ -125,6 +125,9 @@ class FarSide:
                                    f"nothing is lost: run the same command again") from None
             except FarSideError as err:
                 raise _translated(command, err) from None
+            except BaseException:  # this side failed mid-request (a file gone, Ctrl-C): the channel is out of step
+                self.reconnect()
+                raise
             finally:
                 if self._channel is channel:
                     channel.timeout_s = None

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 from tether.remote import protocol
 
 STDERR_TAIL = 8192
+PIPE_BYTES = 1 << 20
 
 
 class ChannelLost(EOFError):
@@ -44,12 +45,24 @@ class FarSideError(Exception):
         self.kind = kind
 
 
+def _widen(fd: int) -> None:
+    """A 1 MiB pipe instead of Linux's 64 KiB: a sixteenth of the wake-ups per byte moved (best effort)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):
+        pass  # another OS, or above /proc/sys/fs/pipe-max-size: the default works too
+
+
 class Channel:
     """The pipes of one serve process, read and written with bounded waits."""
 
     def __init__(self, argv: list[str]) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, bufsize=0)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            _widen(pipe.fileno())
         self._buffer = bytearray()
         self._stderr: collections.deque[bytes] = collections.deque()
         self._stderr_size = 0

@@ -66,8 +66,20 @@ def _install(remote_dir, version, source, out):
         shutil.rmtree(tmp)  # another invocation installed the same version first
 
 
+def _widen(fd):
+    """A 1 MiB pipe instead of Linux's 64 KiB, where the channel is a pipe (best effort)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass
+
+
 def boot(given_dir, version):
     """Claim remote_dir, install if needed, then serve; the protocol's pipes are moved off fds 0 and 1."""
+    for fd in (0, 1):
+        _widen(fd)
     source, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # a child that reads stdin gets nothing of ours
     os.dup2(2, 1)  # and a stray print goes to stderr, never into the framing

@@ -459,14 +459,14 @@ def test_sigkill_in_the_middle_of_a_large_push(project, sshd, far):
 
 
 def test_push_clears_partial_uploads_a_killed_push_left(project, sshd, far):
-    """transfer.put_atomic: "the far side cleans objects/*.tmp-* on the next push of the same file".
+    """The push: "the far side cleans objects/*.tmp-* on the next push of the same file".
 
     A push killed in the middle of a large file leaves `objects/<xx>/<sha>.tmp-<random>` behind
     (test_sigkill_in_the_middle_of_a_large_push catches one). The next push of that file must not
     leave it there for good: for a large file that is gigabytes of the far side's disk. (The
     leftover here is two hours old, so a cleanup that spares young uploads in flight passes too.)"""
     data = project.root / "demo" / "medium.bin"
-    data.write_bytes(os.urandom(6 << 20))  # above transfer.SMALL: it travels by put_atomic
+    data.write_bytes(os.urandom(6 << 20))  # above transfer.SMALL (once sent on its own; now in the push's tar like the rest)
     sha = sha256(data)
     owner.claim(str(far))  # a far side tether made (a killed push of its own left the partial file)
     leftover = far / "objects" / sha[:2] / f"{sha}.tmp-0123456789ab"

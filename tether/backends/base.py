@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from tether.backends.channel import ChannelLost
 from tether.backends.farside import FarSide
@@ -21,8 +21,6 @@ from tether.errors import BackendError
 from tether.paths import RunPaths
 from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcome
 
-if TYPE_CHECKING:
-    from tether.pipelines.transfer import Watchdog
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,10 +145,6 @@ class Backend:
 
     def close(self) -> None:
         self.far.close()
-
-    def watchdog(self) -> "Watchdog":
-        """What ends this backend's stalled transfers (a transport over a network sets stall_timeout_s)."""
-        return self.transport.watchdog()
 
     def is_transport_error(self, err: BaseException) -> bool:
         """Whether `err` says the far side is unreachable (worth a retry), not that something is wrong."""

@@ -26,7 +26,6 @@ from tether.remote.fileio import atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from tether.backends.farside import FarSide
-    from tether.pipelines.transfer import Watchdog
 
 SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
 # AES-GCM first: asyncssh moves 1 GiB over loopback in 4.3 s with it against 5.7 s with its
@@ -101,7 +100,6 @@ class SSHTransport(Transport):
         self._fs: Any = None
         self._pid = os.getpid()  # a connection belongs to the process that opened it
         self._remote_dir: Optional[str] = None
-        self._watchdog: Any = None
 
     # ------------------------------------------------------------ the serve channel (OpenSSH)
 
@@ -199,23 +197,6 @@ class SSHTransport(Transport):
 
     def reconnect(self) -> None:
         self._fs = None
-
-    def watchdog(self) -> "Watchdog":
-        """The stall guard of this connection's SFTP transfers (stall_timeout_s)."""
-        from tether.pipelines.transfer import Watchdog
-
-        if self._watchdog is None:
-            self._watchdog = Watchdog(self.config.stall_timeout_s, self._abort, self.where)
-        return self._watchdog
-
-    def _abort(self) -> None:
-        """From the watchdog's thread: a frozen peer never answers, so the blocked call is made to fail.
-
-        abort, not close: close waits to flush what the frozen peer will never read.
-        """
-        fs, self._fs = self._fs, None
-        if fs is not None:
-            fs.loop.call_soon_threadsafe(fs.client.abort)
 
     def filesystem(self, remote_dir: str) -> Any:
         from fsspec.implementations.dirfs import DirFileSystem

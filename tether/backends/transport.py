@@ -17,7 +17,6 @@ from tether.errors import BackendError, RemoteCommandError
 
 if TYPE_CHECKING:
     from tether.backends.farside import FarSide
-    from tether.pipelines.transfer import Watchdog
 
 COMMAND_TIMEOUT_S = 3600  # a materialize of a large tree or a venv install can take minutes
 
@@ -61,12 +60,6 @@ class Transport:
 
     def reconnect(self) -> None:
         """Forget any connection of this transport's own (the serve channel is the FarSide's)."""
-
-    def watchdog(self) -> "Watchdog":
-        """What ends this transport's stalled transfers (a far side here cannot stall)."""
-        from tether.pipelines.transfer import UNWATCHED
-
-        return UNWATCHED
 
     def is_transport_error(self, err: BaseException) -> bool:
         """Whether `err` says the far side is unreachable (worth a retry), not that something is wrong."""

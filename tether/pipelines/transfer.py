@@ -1,19 +1,15 @@
-"""Moving bytes through an fsspec filesystem: atomic uploads, resumable downloads, one tqdm bar."""
+"""Moving bytes for a pull and a push: tar streams, resumable downloads checked as they land, one tqdm bar."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
 import sys
-import threading
-import time
-import uuid
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 from tether import manifest
-from tether.errors import BackendError, ManifestError
+from tether.errors import ManifestError
 from tether.manifest import PART
 from tether.remote.fileio import CHUNK, sha256_file
 
@@ -22,79 +18,6 @@ BATCH = 64 << 20  # bytes per batch: memory stays bounded whatever the total
 TAR_BUFFER = 1 << 16  # tarfile's stream buffer: 64 KiB moves a GiB 2x faster than its 10 KiB default
 LARGE = 1 << 30  # a file above this is announced before it is pulled: it may fill the disk or take hours
 T = TypeVar("T")
-
-
-class Watchdog:
-    """Ends a transfer that moves no byte for `timeout_s`.
-
-    A peer that stops answering (a frozen server, a dead route) leaves a read blocked for ever:
-    nothing on this side times out while the TCP connection looks open. While `watching()`,
-    a thread calls `abort` once no `touch` came for `timeout_s`; abort must make the blocked
-    call fail (the ssh backend aborts its connection), and that failure leaves as one
-    BackendError. timeout_s None: never (a far side on this machine cannot stall).
-    """
-
-    def __init__(self, timeout_s: Optional[float], abort: Callable[[], None], where: str) -> None:
-        self.timeout_s, self.abort, self.where = timeout_s, abort, where
-        self.armed = False
-        self._last = 0.0
-        self._fired = False
-
-    def touch(self, moved: int = 0) -> None:
-        """Bytes moved: the transfer is alive."""
-        self._last = time.monotonic()
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Guard the network calls inside; a stall turns whatever they raise into one clear error."""
-        if not self.timeout_s or self.armed:
-            yield
-            return
-        self.armed, self._fired = True, False
-        self.touch()
-        stop = threading.Event()
-        thread = threading.Thread(target=self._watch, args=(stop,), name="tether-stall-watchdog", daemon=True)
-        thread.start()
-        try:
-            yield
-        except Exception as err:
-            if self._fired:
-                raise BackendError(f"the copy from {self.where} sent nothing for {self.timeout_s:g} s; "
-                                   f"nothing is lost: run the same command again") from err
-            raise
-        finally:
-            stop.set()
-            thread.join()
-            self.armed = False
-
-    def _watch(self, stop: threading.Event) -> None:
-        assert self.timeout_s
-        while not stop.wait(min(1.0, self.timeout_s / 4)):  # a quarter of the limit: fires within 25% late
-            if time.monotonic() - self._last > self.timeout_s:
-                self._fired = True
-                self.abort()
-                return
-
-    def progress(self, bar: Any) -> "Watched":
-        return Watched(bar, self)
-
-
-class Watched:
-    """A progress bar whose every update also tells the watchdog that bytes moved."""
-
-    def __init__(self, bar: Any, watchdog: Watchdog) -> None:
-        self.bar, self.watchdog = bar, watchdog
-
-    def update(self, n: int) -> None:
-        self.watchdog.touch(n)
-        self.bar.update(n)
-
-    def write(self, text: str) -> None:
-        """A line of the pull's report, printed above the bar."""
-        self.bar.write(text, file=sys.stdout)
-
-
-UNWATCHED = Watchdog(None, lambda: None, "")  # the null object: transfers of a far side that cannot stall
 
 
 def size_policy(path: str, size: int, max_artifact_mb: Optional[float]) -> str:
@@ -204,45 +127,6 @@ def bar(total: int, what: str) -> Any:
 
     return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
                 file=sys.stderr, leave=False, disable=None)
-
-
-def bar_callback(progress: Any) -> Any:
-    """An fsspec callback feeding one shared tqdm bar (fsspec imported only when bytes move)."""
-    from fsspec.callbacks import Callback
-
-    class BarCallback(Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.reported = 0
-
-        def call(self, *args: Any, **kwargs: Any) -> None:
-            progress.update(self.value - self.reported)
-            self.reported = self.value
-
-    return BarCallback()
-
-
-def put_atomic(fs: Any, local: str, remote: str, progress: Any) -> None:
-    """Upload `local` under a temporary name, then rename: a partial file never has the final name."""
-    tmp = f"{remote}.tmp-{uuid.uuid4().hex[:12]}"
-    fs.makedirs(os.path.dirname(remote), exist_ok=True)
-    try:
-        fs.put_file(local, tmp, callback=bar_callback(progress))
-        fs.mv(tmp, remote)
-    except BaseException:
-        try:
-            fs.rm(tmp)
-        except Exception:  # best effort (a dropped connection raises its own errors): the first error matters
-            pass  # a killed push's partial file is cleared by the next `have` of the same content
-        raise
-
-
-def pipe_atomic(fs: Any, remote: str, data: bytes) -> None:
-    """Write small `data` to `remote` atomically (temporary name, then rename)."""
-    tmp = f"{remote}.tmp-{uuid.uuid4().hex[:12]}"
-    fs.makedirs(os.path.dirname(remote), exist_ok=True)
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, remote)
 
 
 def matches(path: str, size: int, sha256: str) -> bool:

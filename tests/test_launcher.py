@@ -21,7 +21,7 @@ import pytest
 
 from backend_contract import ARTIFACTS, TRAINER, wait_for
 from helpers import alive, group
-from tether.remote import launcher, machine, objects
+from tether.remote import launcher, machine, objects, rundir, supervise
 from tether.trainers import runtime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def test_start_runs_to_completion_and_seals_a_true_manifest(make_run):
     assert live["heartbeat_age_s"] is not None and live["heartbeat_age_s"] < 30
     beat = os.stat(Path(run_dir, "heartbeat")).st_mtime_ns
     wait_for(lambda: os.stat(Path(run_dir, "heartbeat")).st_mtime_ns > beat, "the heartbeat to be touched again",
-             timeout=launcher.HEARTBEAT_S * 5)
+             timeout=supervise.HEARTBEAT_S * 5)
     assert not Path(run_dir, "PULL_MANIFEST.json").exists()
     assert alive(live["state"]["pgid"])
 
@@ -141,7 +141,7 @@ def test_seal_is_immutable(make_run):
     before = Path(run_dir, "PULL_MANIFEST.json").read_bytes()
     with open(Path(run_dir, "train.log"), "ab") as f:
         f.write(b"written after sealing\n")
-    assert launcher.seal(run_dir) == json.loads(before)
+    assert rundir.seal(run_dir) == json.loads(before)
     assert Path(run_dir, "PULL_MANIFEST.json").read_bytes() == before
 
 

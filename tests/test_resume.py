@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -177,7 +178,7 @@ def test_stop_then_train_resumes_the_demo_trainer_from_its_step(project):
 
 
 def test_sigterm_to_the_trainer_is_preempted_and_restarted_by_the_policy(project):
-    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2}")
+    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
     doit = project.start("run", "train")
     try:
         project.wait_for(lambda: project.run_ids(), what="the run")
@@ -187,7 +188,9 @@ def test_sigterm_to_the_trainer_is_preempted_and_restarted_by_the_policy(project
     finally:
         doit.kill() if doit.poll() is None else None
     assert doit.returncode == 0, out + err
-    assert "preempted; relaunched from its latest checkpoint (restart 1" in err, err
+    assert re.search(r"preempted; will restart from its latest checkpoint in \d s \(attempt 2 of 3\)", err), err
+    assert "attempt 1 preempted" in err and "ago; restarted" in err, err  # the far side's plan, then its deed
+    assert launches(project, run_id) == 2  # one launch per attempt: the far side's, never watch's too
     exits = [e for e in project.events(run_id) if e.get("event") == "exit"]
     assert (exits[0]["status"], exits[0]["signal"], exits[0]["signal_to"]) == ("preempted", "SIGTERM", "trainer")
     assert far_state(project, run_id)["status"] == "completed"
@@ -195,7 +198,7 @@ def test_sigterm_to_the_trainer_is_preempted_and_restarted_by_the_policy(project
 
 
 def test_sigkill_fails_names_the_signal_and_retry_resumes_it(project):
-    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2}")
+    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
     doit = project.start("run", "train")
     try:
         project.wait_for(lambda: project.run_ids(), what="the run")

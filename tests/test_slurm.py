@@ -324,7 +324,7 @@ def test_sbatch_lines_hold_every_sbatch_key_that_is_set(tmp_path):
 def test_job_script_for_two_nodes_exports_the_rendezvous(cluster, tmp_path, monkeypatch):
     """Runs the rendered job.sh under bash with the variables SLURM sets for a 2-node job: a real
     two-node run is impossible on one machine. The "python" it starts records its environment."""
-    from tether.remote import launcher
+    from tether.remote import controller
 
     run = RunPaths(RUN_ID, str(tmp_path / ".tether"), str(tmp_path / "far"))
     Path(run.remote_abs).mkdir(parents=True)
@@ -348,7 +348,7 @@ def test_job_script_for_two_nodes_exports_the_rendezvous(cluster, tmp_path, monk
 
     # the launcher starts one trainer per node through it
     monkeypatch.setenv("TETHER_SRUN", recorded["TETHER_SRUN"])
-    argv = launcher._trainer_command({"argv": ["{python}", "train.py"]}, None)
+    argv = controller._trainer_command({"argv": ["{python}", "train.py"]}, None)
     assert argv == ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "train.py"]
 
     single = job_script(Config(host="login", remote_dir="~/tether"), run, "/far/launcher.py", str(recorder))

@@ -48,14 +48,16 @@ RESTART_POLICIES = ("never", "on-preempt", "on-failure")
 
 @dataclass(frozen=True)
 class Restart:
-    """When watch relaunches a run from its latest checkpoint, and how often at most.
+    """When the far side relaunches a run from its latest checkpoint, how often at most, and how
+    long it waits first (backoff_s, doubled after each restart).
 
-    on-preempt: after a signal-driven checkpoint-and-exit; on-failure: also after a crash.
+    on-preempt: after a signal-driven checkpoint-and-exit or a stall; on-failure: also after a crash.
     """
 
     policy: str = field(default="on-preempt", metadata=_check(lambda v: v in RESTART_POLICIES,
                                                               "must be one of " + ", ".join(RESTART_POLICIES)))
     max_restarts: int = field(default=3, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
+    backoff_s: float = field(default=10.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))  # doubles per restart
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class Job:
     restart: Restart = Restart()
     max_wall_seconds: float = field(default=7 * 24 * 3600.0, metadata=_check(lambda v: v > 0, "must be positive"))
     heartbeat_timeout_s: float = field(default=60.0, metadata=_check(lambda v: v > 0, "must be positive"))
+    stall_timeout_s: Optional[float] = field(default=None, metadata=_check(lambda v: v is None or v > 0,
+                                                                           "must be positive, or null (never)"))
     grace_seconds: float = field(default=30.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
     validation: Validation = Validation()
     sweep: dict = field(default_factory=dict)  # setting -> list of values (tether.sweep)
@@ -397,6 +401,9 @@ def _warn(job: Job, document: Any, problems: Problems) -> None:
     if job.heartbeat_timeout_s < 10:
         problems.warn(problems.at(document, "heartbeat_timeout_s"), "heartbeat_timeout_s below 10 s "
                       "can fail healthy runs on a slow far side (the launcher beats every 2 s)")
+    if job.stall_timeout_s is not None and job.stall_timeout_s < 10:
+        problems.warn(problems.at(document, "stall_timeout_s"), "stall_timeout_s below 10 s declares a "
+                      "healthy trainer stalled while it loads data or saves a checkpoint without printing")
 
 
 def acknowledged(warnings: list[str], acks: tuple[str, ...], source: str) -> list[str]:

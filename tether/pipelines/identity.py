@@ -66,7 +66,8 @@ def tree_hashes(entries: Sequence[Entry]) -> dict[str, Optional[str]]:
 def job_hash(job: Job, hashes: Mapping[str, Optional[str]], spec: Mapping[str, Any],
              repro_of: Optional[str] = None) -> str:
     """One SHA-256 of the name, backend, trees and launch spec (settings at their defaults left out)."""
-    launch = dict(spec, trainer=changed_fields(job.trainer), restart=changed_fields(job.restart))
+    restart = {k: v for k, v in changed_fields(job.restart).items() if k != "backoff_s"}  # when, not what
+    launch = dict(spec, trainer=changed_fields(job.trainer), restart=restart)
     parts = {"name": job.name, "backend": job.backend, **hashes, "launch": launch}
     if repro_of:
         parts["repro_of"] = repro_of  # a reproduction is a run of its own, never the original

@@ -12,10 +12,10 @@ from typing import Any, Optional
 from tether import manifest
 from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
-from tether.pipelines import resuming
+from tether.pipelines import plans, resuming
 from tether.pipelines.session import Session, flag
 from tether.remote.endings import words as signal_words
-from tether.remote.protocol import ERROR, FAILED, PENDING, PREEMPTED, RUNNING, Snapshot
+from tether.remote.protocol import ERROR, FAILED, PENDING, PREEMPTED, RUNNING, STALLED, Snapshot
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves (tqdm's nested bars)
 
@@ -86,7 +86,8 @@ def tail_text(far: Any, run: RunPaths, name: str = "train.log", lines: int = 20)
 
 
 def summary(s: Session, run: RunPaths, snap: Snapshot) -> dict:
-    """What `status` reports: state, step, last loss, heartbeat age, where, how long."""
+    """What `status` reports: state, step, last loss, the launcher's and the trainer's ages, where, how
+    long, and what the far side will do next (plans.far_side_words)."""
     reader = EventReader(s.backend, run)
     events = reader.read()
     state = snap.state
@@ -103,7 +104,8 @@ def summary(s: Session, run: RunPaths, snap: Snapshot) -> dict:
             "attempt": state.get("attempt"), "restarts": state.get("restarts"),
             "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
             "queue": queue_text(snap), "resume_from": s.record(run).get("resume_from"),
-            "signal": state.get("signal")}
+            "signal": state.get("signal"), "reason": state.get("reason"), "output_age_s": snap.output_age_s,
+            "far_side": plans.far_side_words(snap)}
 
 
 def queue_text(snap: Snapshot) -> Optional[str]:
@@ -123,12 +125,13 @@ def status(s: Session) -> None:
     if flag(s.variables, "json"):
         print(json.dumps(info, sort_keys=True))
         return
-    ended = signal_words(info) if info["status"] in (FAILED, PREEMPTED) else ""
+    ended = signal_words(info) if info["status"] in (FAILED, PREEMPTED, STALLED) else ""
+    ended = "; ".join(filter(None, (info["reason"], ended)))
     print(f"{info['run_id']}: {info['status']}" + (f" ({ended})" if ended else ""))
-    lineage = resuming.lineage(info)
-    if lineage:
-        print(f"  {lineage}")
-    for key in ("queue", "step", "loss", "heartbeat_age_s", "elapsed_s", "restarts", "exit_code", "host", "where"):
+    for line in filter(None, [resuming.lineage(info)] + info["far_side"]):
+        print(f"  {line}")
+    for key in ("queue", "step", "loss", "heartbeat_age_s", "output_age_s", "elapsed_s", "restarts", "exit_code",
+                "host", "where"):
         if info[key] is not None:
             print(f"  {key:16} {info[key]}")
 
@@ -182,7 +185,7 @@ def tail(s: Session, poll_s: float = 0.5) -> None:
         snap = s.snapshot(run, fresh=True)
         sys.stdout.write(reader.read_bytes().decode(errors="replace"))
         sys.stdout.flush()
-        if snap.status not in (RUNNING, PENDING):
+        if snap.status not in (RUNNING, PENDING) and not (snap.alive and not snap.final):  # not mid-restart
             sys.stdout.write(reader.read_bytes().decode(errors="replace"))
             print(f"[run {run.run_id} is {snap.status}]")
             return

@@ -18,12 +18,12 @@ from tether import manifest
 from tether.config import asdict
 from tether.errors import BackendError, RemoteCommandError, RunError
 from tether.paths import RunPaths
-from tether.pipelines import resuming, transfer
+from tether.pipelines import plans, resuming, transfer
 from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
 from tether.pipelines.session import Session, flag
 from tether.remote.fileio import atomic_write_json, read_json
 from tether.remote.protocol import (ABSENT, ALREADY_RUNNING, CANCELLED, COMPLETED, ENDED_BADLY, ERROR, FAILED, FINISHED,
-                                    LOST, PENDING, PREEMPTED, RUNNING, STARTED, STOPPED, Snapshot)
+                                    LOST, PENDING, PREEMPTED, RUNNING, STALLED, STARTED, STOPPED, Snapshot)
 from tether.remote.rundir import restart_allowed
 
 
@@ -68,7 +68,8 @@ def launch_done(s: Session) -> bool:
     snap = s.snapshot(run)
     queued = snap.status == PENDING and snap.queue  # waiting in the scheduler's queue
     ended = snap.final and snap.status == COMPLETED  # stopped: resumed; failed: refused
-    return snap.status == RUNNING or ended or bool(queued)
+    restarting = snap.alive and not snap.final  # its launcher waits out a restart's backoff
+    return snap.status == RUNNING or ended or bool(queued) or restarting
 
 
 def watch_done(s: Session) -> bool:
@@ -166,9 +167,9 @@ def launch(s: Session) -> str:
 
 
 def _record_launch(s: Session, run: RunPaths, snap: Snapshot) -> None:
-    """run.json, here and on the far side, with the artifact roster as of launch."""
+    """run.json, here and on the far side, with the artifact roster and the far side's controls as of launch."""
     if snap.status in ("absent", PENDING):
-        record = dict(s.record(run), artifacts=list(s.job.artifacts))
+        record = dict(s.record(run), artifacts=list(s.job.artifacts), controls=s.controls())
         atomic_write_json(run.run_json, record)
         s.backend.far.put(run.remote_file("run.json"), json.dumps(record, indent=2, sort_keys=True).encode())
 
@@ -219,10 +220,11 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             else:
                 _show_waiting(progress, label, snap, line)
             _show_queue(progress, run, snap, seen)
+            _show_far_side(progress, run, snap, seen)
             if snap.final and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
-            if snap.status in ENDED_BADLY and _settled(s, snap, seen):
-                _restart(s, run, snap)
+            if snap.status in ENDED_BADLY and not snap.alive and _settled(s, snap, seen):
+                _restart(s, run, snap)  # no launcher left to restart it: the policy is applied from here
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)
             time.sleep(interval)
@@ -266,6 +268,15 @@ def _show_queue(progress, run: RunPaths, snap: Snapshot, seen: dict) -> None:
     if text and seen.get("queue") != text:
         seen["queue"] = text
         progress.write(f"{run.run_id}: {text}", file=sys.stderr)
+
+
+def _show_far_side(progress, run: RunPaths, snap: Snapshot, seen: dict) -> None:
+    """Print what the far side decided on its own (a planned restart, the stall before it), once each."""
+    attempt = snap.state.get("attempt")
+    for kind, line in (("plan", plans.restart_words(snap)), ("previous", plans.previous_words(snap))):
+        if line and (kind, attempt) not in seen:
+            seen[(kind, attempt)] = True
+            progress.write(f"{run.run_id}: {line}", file=sys.stderr)
 
 
 def _settled(s: Session, snap: Snapshot, seen: dict) -> bool:
@@ -321,14 +332,16 @@ def _ended_words(s: Session, snap: Snapshot) -> str:
     if state.get("resume_error"):
         return f"failed before its trainer started: {state['resume_error']}"
     if snap.status == STOPPED:
-        return (f"stopped (exit code {state.get('exit_code')}); {_checkpoint_words(state)}: "
+        why = (f"{state['reason']} (max_wall_seconds {s.job.max_wall_seconds:.0f}, counted from its first start)"
+               if state.get("reason") else f"exit code {state.get('exit_code')}")
+        return (f"stopped: {why}; {_checkpoint_words(state)}: "
                 f"`doit run train` resumes it" + (" from there" if state.get("checkpoint") else ""))
     text = resuming.how_it_ended(snap)
-    if snap.status == PREEMPTED:  # final: the restart policy will not resume it
+    if snap.status in (PREEMPTED, STALLED):  # final: the restart policy will not resume it
         restart = s.job.restart
         used = f", {state.get('restarts', 0)} of {restart.max_restarts} restarts used" if restart.policy != "never" else ""
         text += f" and is not restarted (restart policy {restart.policy!r}{used})"
-    if snap.status in (PREEMPTED, FAILED):
+    if snap.status in (PREEMPTED, STALLED, FAILED):
         text += f"; {_checkpoint_words(state)}: {resuming.retry_hint(state)}"
     return text
 
@@ -339,6 +352,8 @@ def _checkpoint_words(state: dict) -> str:
 
 
 def _check_health(s: Session, run: RunPaths, snap: Snapshot) -> None:
+    """A launcher that stopped beating is reported (its own limits, max_wall_seconds and stall_timeout_s,
+    are enforced on the far side)."""
     status, state = snap.status, snap.state
     age = snap.heartbeat_age_s
     beating = status == RUNNING and state.get("status") == RUNNING  # not a requeued job starting up
@@ -346,11 +361,6 @@ def _check_health(s: Session, run: RunPaths, snap: Snapshot) -> None:
         raise RunError(f"run {run.run_id}: no heartbeat for {age:.0f}s (heartbeat_timeout_s is "
                        f"{s.job.heartbeat_timeout_s:.0f}): the far side may be hung; `doit status` to look, "
                        f"`doit stop` to end it")
-    started = state.get("started_at")
-    if status == RUNNING and started and snap.now - started > s.job.max_wall_seconds:
-        outcome = s.backend.stop(run, s.job.grace_seconds)
-        raise RunError(f"run {run.run_id} passed max_wall_seconds ({s.job.max_wall_seconds:.0f}s) "
-                       f"and was stopped ({outcome.outcome})")
 
 
 def pull(s: Session) -> str:

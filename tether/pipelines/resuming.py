@@ -92,8 +92,9 @@ def retry_hint(state: dict) -> str:
 
 
 def how_it_ended(snap: Snapshot) -> str:
-    """`failed: killed by SIGKILL (out of memory?)`, or `failed (exit code 1)`."""
-    said = signal_words(snap.state)
+    """`failed: killed by SIGKILL (out of memory?)`, `stalled: no output ... (stall_timeout_s)`, or
+    `failed (exit code 1)`."""
+    said = "; ".join(filter(None, (snap.state.get("reason"), signal_words(snap.state))))
     return f"{snap.status}: {said}" if said else f"{snap.status} (exit code {snap.state.get('exit_code')})"
 
 

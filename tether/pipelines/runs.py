@@ -27,7 +27,7 @@ from tether.sweep import Point
 
 # What run.json holds besides the launch spec (so the spec can be read back out of a record).
 RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_hash", "code_hash", "data_hash",
-                 "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of")
+                 "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of", "controls")
 
 
 def recorded_spec(record: Mapping[str, Any]) -> dict[str, Any]:

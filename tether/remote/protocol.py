@@ -20,7 +20,8 @@ from typing import IO, Any, Dict, Iterator, List, Optional
 
 PENDING, RUNNING, COMPLETED, FAILED = "pending", "running", "completed", "failed"
 PREEMPTED, STOPPED, LOST, CANCELLED, ABSENT = "preempted", "stopped", "lost", "cancelled", "absent"
-ENDED_BADLY = (PREEMPTED, FAILED, LOST, CANCELLED)  # watch asks the restart policy about these
+STALLED = "stalled"  # no output and no event for stall_timeout_s: ended by the launcher
+ENDED_BADLY = (PREEMPTED, STALLED, FAILED, LOST, CANCELLED)  # with no launcher left, watch asks the policy
 
 # launch and stop outcomes
 STARTED, ALREADY_RUNNING, FINISHED, ERROR = "started", "running", "finished", "error"
@@ -81,7 +82,10 @@ class Snapshot:
     state: Dict[str, Any] = field(default_factory=dict)  # state.json as the launcher wrote it
     now: float = 0.0  # the far side's clock
     sealed: bool = False
-    heartbeat_age_s: Optional[float] = None
+    heartbeat_age_s: Optional[float] = None  # the launcher's: "it is alive"
+    output_age_s: Optional[float] = None  # the trainer's last output or event: "it is making progress"
+    notified: List[Dict[str, Any]] = field(default_factory=list)  # notifications the far side sent (notify.json)
+    idle_stop: Dict[str, Any] = field(default_factory=dict)  # the box's idle stop, when configured
     job_id: Optional[str] = None
     queue: Optional[Dict[str, str]] = None  # squeue's entry for the job
     queue_error: Optional[str] = None

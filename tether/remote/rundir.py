@@ -53,7 +53,7 @@ def decide_final(status: str, spec: Dict[str, Any], attempt: int) -> bool:
     restart = spec.get("restart") or {}
     if status == "failed":
         return not (restart.get("policy") == "on-failure" and attempt <= int(restart.get("max_restarts", 0)))
-    if status == "preempted" and "restart" in spec:  # a hand-made run.json without a policy stays open
+    if status in ("preempted", "stalled") and "restart" in spec:  # a hand-made run.json without a policy stays open
         return not restart_allowed(status, spec, attempt)  # nobody will resume it: seal what it saved
     return status in FINAL
 
@@ -119,10 +119,13 @@ def is_alive(run_dir: str) -> bool:
 
 
 def restart_allowed(status: str, spec: Dict[str, Any], attempt: int) -> bool:
-    """Whether the restart policy wants this attempt's end relaunched (a SLURM job requeues itself)."""
+    """Whether the restart policy wants this attempt's end relaunched (a SLURM job requeues itself).
+
+    A stall is restarted like a preemption: a hang is rarely the script's own doing (a stuck file
+    system, a deadlocked collective), and the checkpoint before it is good."""
     restart = spec.get("restart") or {}
     policy, most = restart.get("policy", "on-preempt"), int(restart.get("max_restarts", 0))
-    wanted = (status == "preempted" and policy in ("on-preempt", "on-failure")) or \
+    wanted = (status in ("preempted", "stalled") and policy in ("on-preempt", "on-failure")) or \
              (status == "failed" and policy == "on-failure")
     return wanted and attempt - 1 < most
 

@@ -177,7 +177,8 @@ def progress(run_dir: str) -> Tuple[Optional[int], Dict[str, Dict[str, Any]]]:
             step = int(record["step"])
         kind = record.get("event")
         if kind in ("step", "epoch") and kind not in metrics:
-            metrics[kind] = {k: v for k, v in record.items() if _number(v) and k not in ("t", kind)}
+            skip = ("t", "step") if kind == "step" else ("t",)  # a step event's step is `step` itself
+            metrics[kind] = {k: v for k, v in record.items() if _number(v) and k not in skip}
         if step is not None and len(metrics) == 2:
             break
     return step, metrics

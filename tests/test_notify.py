@@ -41,11 +41,15 @@ STATE = {"status": "failed", "reason": "exit code 3", "attempt": 2, "exit_code":
 
 
 class Hook:
-    """A webhook on 127.0.0.1: records each request, answers with the queued codes, then 200."""
+    """A webhook on 127.0.0.1: records each request, answers with the queued codes, then 200.
 
-    def __init__(self, answers: tuple[int, ...] = (), during: Optional[Callable[[], None]] = None) -> None:
+    A 3xx answer points its Location at `location`.
+    """
+
+    def __init__(self, answers: tuple[int, ...] = (), during: Optional[Callable[[], None]] = None,
+                 location: str = "") -> None:
         self.requests: list[dict[str, Any]] = []
-        self.answers, self.during, self.lock = list(answers), during, threading.Lock()
+        self.answers, self.during, self.location, self.lock = list(answers), during, location, threading.Lock()
         hook = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -55,11 +59,15 @@ class Hook:
                     hook.during()  # while the notifier waits for this answer
                 with hook.lock:
                     code = hook.answers.pop(0) if hook.answers else 200
-                    hook.requests.append({"path": self.path, "headers": dict(self.headers), "body": body,
-                                          "code": code})
+                    hook.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                                          "body": body, "code": code})
                 self.send_response(code)
+                if 300 <= code < 400:
+                    self.send_header("Location", hook.location)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            do_GET = do_POST  # a followed redirect arrives as a GET
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -223,6 +231,16 @@ def test_a_secret_file_others_can_read_is_refused(hook, run_dir, tmp_path, where
     assert "secret file %s is mode 0644: chmod 600 %s" % (loose, loose) in outcome["error"], outcome
 
 
+def test_a_header_of_two_lines_is_refused_without_quoting_it(hook, run_dir, tmp_path):
+    header = secret_file(tmp_path, "Bearer SEKRIT\nX-Injected: 1\n")
+    notifier = Notifier(run_dir, {"webhook": hook.url, "headers": {"Authorization": {"file": header}}})
+    notifier.send("failed", STATE)
+    notifier.drain(DRAIN_S)
+    assert hook.requests == []
+    [outcome] = records(run_dir)
+    assert outcome["error"] == "header Authorization: its value has a line break: keep it on one line", outcome
+
+
 def test_a_missing_secret_file_is_named(hook, run_dir, tmp_path):
     notifier = Notifier(run_dir, {"webhook": {"file": str(tmp_path / "absent")}, "backoff_s": FAST})
     notifier.send("failed", STATE)
@@ -281,6 +299,23 @@ def test_drain_keeps_its_bound_and_records_what_was_not_delivered(run_dir, dead_
     [outcome] = records(run_dir)
     assert (outcome["event"], outcome["ok"]) == ("preempted", False)
     assert "still being delivered when the launcher exited (it waited 0.3 s)" in outcome["error"]
+
+
+@pytest.mark.parametrize("code", [302, 307])
+def test_a_redirect_is_not_followed_with_the_secret_header(run_dir, tmp_path, hook, code):
+    header = secret_file(tmp_path, "Bearer abc")
+    server = Hook((code,), location=hook.url + "/elsewhere")
+    try:
+        notifier = Notifier(run_dir, {"webhook": server.url, "headers": {"Authorization": {"file": header}},
+                                      "backoff_s": FAST})
+        notifier.send("completed", STATE)
+        notifier.drain(DRAIN_S)
+        assert [r["code"] for r in server.requests] == [code]
+    finally:
+        server.close()
+    assert hook.requests == []
+    [outcome] = records(run_dir)
+    assert (outcome["ok"], outcome["tries"]) == (False, 1) and outcome["error"].startswith("HTTP %d" % code)
 
 
 @pytest.mark.parametrize("answers, tries, ok", [((500,), 2, True), ((429, 503), 3, True), ((404,), 1, False),
@@ -407,6 +442,7 @@ def test_a_plain_url_without_a_secret_is_fine(project):
     ("  webhook: {env: 'not a name'}\n", "notify.webhook env 'not a name' is not a variable name"),
     ("  webhook: {env: HOOK}\n  headers: {X-Key: {env: K, file: ~/k}}\n", "notify.headers.X-Key names both"),
     ("  headers: {X-Key: {env: K}}\n", "notify.headers without a webhook"),
+    ("  webhook: {env: HOOK}\n  headers: {'X Key': {env: K}}\n", "notify.headers: 'X Key' is not a header name"),
     ("  command: '  '\n", "command must be a shell command: give one or remove it"),
     ("  webhok: https://example.com\n", "unknown key 'webhok' in notify (did you mean 'webhook'?)"),
 ])

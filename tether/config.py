@@ -373,14 +373,15 @@ def _check_artifacts(job: Job, document: Any, problems: Problems) -> None:
 
 def _check_notify(notify: Notify, node: Any, problems: Problems) -> None:
     """Kinds exist, the webhook is http(s), and no secret is written in the file (errors at their line)."""
-    from tether.remote.notify import source_problem, url_problem
+    from tether.remote.notify import HEADER_NAME, source_problem, url_problem
 
     far = ("put it in a 0600 file on the far side (webhook: {file: ~/.config/hook-url}) "
            "or in a far-side environment variable (webhook: {env: NAME})")
     for index, kind in enumerate(notify.on):
         if kind not in KINDS:
             at = problems.at(node["on"], index) if hasattr(node["on"], "lc") else problems.at(node, "on")
-            problems.error(at, "notify.on: unknown kind %r%s; kinds: %s" % (kind, suggest(kind, KINDS), ", ".join(KINDS)))
+            problems.error(at, "notify.on: unknown kind %r%s; kinds: %s"
+                           % (kind, suggest(kind, KINDS), ", ".join(KINDS)))
     if isinstance(notify.webhook, str):
         problem = url_problem(notify.webhook)  # never quoted back: it may be the secret
         fix = far if "secret" in problem else "give https://..., {file: PATH} or {env: NAME}"
@@ -390,7 +391,9 @@ def _check_notify(notify: Notify, node: Any, problems: Problems) -> None:
         problems.error(problems.at(node, "webhook"), "notify.webhook %s" % source_problem(notify.webhook))
     for name, source in notify.headers.items():
         at = problems.at(node["headers"], name)
-        if not isinstance(source, dict):
+        if not HEADER_NAME.match(name):
+            problems.error(at, "notify.headers: %r is not a header name (letters, digits, -)" % name)
+        elif not isinstance(source, dict):
             problems.error(at, "notify.headers.%s is written in the file: a header carries a secret, so it comes from "
                                "the far side: %s: {file: ~/.config/hook-auth} (mode 0600, holding the whole value, "
                                "e.g. Bearer ...) or {env: NAME}" % (name, name))

@@ -337,8 +337,10 @@ class Notifier:
         try:
             deadline = time.monotonic() + max(0.0, timeout_s)
             with self._busy:
-                while self._pending and deadline > time.monotonic():
-                    self._busy.wait(deadline - time.monotonic())
+                left = deadline - time.monotonic()
+                while self._pending and left > 0:
+                    self._busy.wait(left)
+                    left = deadline - time.monotonic()
                 late = [(job, to) for job in self._pending for to in job["left"]]
                 for job, to in late:
                     self._outcome(job, to, False, "still being delivered when the launcher exited "
@@ -404,7 +406,10 @@ class Notifier:
         for name, source in sorted((self.settings.get("headers") or {}).items()):
             if not HEADER_NAME.match(str(name)):
                 raise NotifyError("header %r is not a valid header name" % name)
-            headers[str(name)] = read_secret(source, "header %s" % name)
+            value = read_secret(source, "header %s" % name)
+            if "\n" in value or "\r" in value:  # http.client refuses it, quoting the value: say it here
+                raise NotifyError("header %s: its value has a line break: keep it on one line" % name)
+            headers[str(name)] = value
         return url, headers
 
     def _outcome(self, job: Dict[str, Any], to: str, ok: bool, error: Optional[str]) -> None:

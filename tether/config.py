@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from tether.errors import ConfigError
+from tether.remote.notify import DEFAULT_ON, KINDS
 from tether.yamlfile import parse_yaml
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,37}$")
@@ -68,6 +69,21 @@ class Validation:
 
 
 @dataclass(frozen=True)
+class Notify:
+    """What the far side tells you about a run, and how: a webhook POST and/or a command (tether.remote.notify).
+
+    A secret (a webhook URL with its key, a header's value) is never in this file: it comes from
+    the far side, {file: PATH} (a file of mode 0600 there) or {env: NAME} (the launcher's environment).
+    """
+
+    webhook: Union[str, dict, None] = None  # "https://..." without a secret in it, or {file: PATH} / {env: NAME}
+    headers: dict = field(default_factory=dict)  # NAME -> {file: PATH} / {env: NAME}
+    command: Optional[str] = field(default=None, metadata=_check(lambda v: bool(v.strip()),
+                                                                 "must be a shell command: give one or remove it"))
+    on: tuple[str, ...] = DEFAULT_ON
+
+
+@dataclass(frozen=True)
 class Job:
     """Everything one YAML file says: the job, and the backends it may run on."""
 
@@ -85,6 +101,7 @@ class Job:
     stall_timeout_s: Optional[float] = field(default=None, metadata=_check(lambda v: v is None or v > 0,
                                                                            "must be positive, or null (never)"))
     grace_seconds: float = field(default=30.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
+    notify: Notify = Notify()
     validation: Validation = Validation()
     sweep: dict = field(default_factory=dict)  # setting -> list of values (tether.sweep)
     source: str = ""  # the YAML file this came from
@@ -288,6 +305,8 @@ def load(path: str, backend: Optional[str] = None, files: bool = True) -> Job:
     problems = Problems(path)
     trainer, backends = _sections(document, problems)
     job = build(Job, document, problems, "the job", skip=("trainer", "backends"))
+    if job is not None and isinstance(document.get("notify"), dict):
+        _check_notify(job.notify, document["notify"], problems)
     chosen = backend or (job.backend if job else "") or (next(iter(backends)) if len(backends) == 1 else "")
     if chosen not in backends and backends:
         source = "backend=%s" % chosen if backend else problems.at(document, "backend")
@@ -354,6 +373,38 @@ def _check_artifacts(job: Job, document: Any, problems: Problems) -> None:
         if problem:
             at = problems.at(node, index) if hasattr(node, "lc") else problems.at(document, "artifacts")
             problems.error(at, problem)
+
+
+def _check_notify(notify: Notify, node: Any, problems: Problems) -> None:
+    """Kinds exist, the webhook is http(s), and no secret is written in the file (errors at their line)."""
+    from tether.remote.notify import HEADER_NAME, source_problem, url_problem
+
+    far = ("put it in a 0600 file on the far side (webhook: {file: ~/.config/hook-url}) "
+           "or in a far-side environment variable (webhook: {env: NAME})")
+    for index, kind in enumerate(notify.on):
+        if kind not in KINDS:
+            at = problems.at(node["on"], index) if hasattr(node["on"], "lc") else problems.at(node, "on")
+            problems.error(at, "notify.on: unknown kind %r%s; kinds: %s"
+                           % (kind, suggest(kind, KINDS), ", ".join(KINDS)))
+    if isinstance(notify.webhook, str):
+        problem = url_problem(notify.webhook)  # never quoted back: it may be the secret
+        fix = far if "secret" in problem else "give https://..., {file: PATH} or {env: NAME}"
+        if problem:
+            problems.error(problems.at(node, "webhook"), "notify.webhook %s: %s" % (problem, fix))
+    elif notify.webhook is not None and source_problem(notify.webhook):
+        problems.error(problems.at(node, "webhook"), "notify.webhook %s" % source_problem(notify.webhook))
+    for name, source in notify.headers.items():
+        at = problems.at(node["headers"], name)
+        if not HEADER_NAME.match(name):
+            problems.error(at, "notify.headers: %r is not a header name (letters, digits, -)" % name)
+        elif not isinstance(source, dict):
+            problems.error(at, "notify.headers.%s is written in the file: a header carries a secret, so it comes from "
+                               "the far side: %s: {file: ~/.config/hook-auth} (mode 0600, holding the whole value, "
+                               "e.g. Bearer ...) or {env: NAME}" % (name, name))
+        elif source_problem(source):
+            problems.error(at, "notify.headers.%s %s" % (name, source_problem(source)))
+    if notify.headers and notify.webhook is None:
+        problems.error(problems.at(node, "headers"), "notify.headers without a webhook: add webhook: or remove headers:")
 
 
 def _check_sweep(job: Job, document: Any, problems: Problems) -> None:

@@ -30,7 +30,7 @@ FOR_GOOD = ("completed",)
 # ones never are (launch_env.json holds the backend's secrets, mode 0600). Config validation refuses
 # an artifact pattern that names any of them, and the seal refuses any match of a private one.
 SEALED_FILES = ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
-PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested",
+PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested", "notify.json",
                  "PULL_MANIFEST.json", "PULL_MANIFEST.attempt-*.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out")
 TETHER_FILES = SEALED_FILES + PRIVATE_FILES
 MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem

@@ -21,6 +21,8 @@ pytest.register_assert_rewrite("slurm_fixtures")
 pytest_plugins = ["slurm_fixtures"]
 
 from helpers import Background  # noqa: E402
+from test_notify import Hook, dead_url  # noqa: E402,F401 (a fixture)
+from tether.remote import notify  # noqa: E402
 from test_own_script_backends import (  # noqa: E402
     assert_resumed_at, expected_weights, exits, kept_step, out, pulled_weights, slurm_jobs, slurm_script_job,
     ssh_script_job,
@@ -172,6 +174,62 @@ def test_a_stop_during_the_backoff_ends_the_run_and_no_attempt_follows(project):
     assert (state["status"], state["final"], state["plan"]) == ("stopped", True, None), state
     assert launches(project, run_id) == 1 and (project.remote_run(run_id) / "PULL_MANIFEST.json").exists()
     project.doit("pull", "verify", check=True)  # the exit event landed before the seal: verify holds
+
+
+# ---------------------------------------------------------------- notifications, sent by the far side
+
+
+def secret_in_any_command_line(secret: str) -> list[str]:
+    found = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if secret.encode() in path.read_bytes():
+                found.append(path.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+def test_notifications_reach_a_webhook_once_each_with_the_secret_from_a_0600_file(project, tmp_path):
+    secret = "Bearer s3cr3t-" + os.urandom(6).hex()
+    token = tmp_path / "hook-token"
+    token.write_text(secret + "\n")
+    token.chmod(0o600)
+    hook = Hook()
+    try:
+        use_script(project, steps=40, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
+        add_config(project, f"notify:\n  webhook: {hook.url}\n  headers: {{Authorization: {{file: {token}}}}}\n")
+        run_id = preempt_with_nobody_watching(project, steps=40)
+        assert secret_in_any_command_line(secret) == []  # never on a command line, not even while sending
+        project.wait_for(lambda: len(hook.bodies()) >= 2, timeout=30, what="two notifications")
+        got = hook.bodies()
+        assert [b["event"] for b in got] == ["restarted", "completed"], got  # once each, in order
+        assert all(r["headers"].get("Authorization") == secret for r in hook.requests), hook.requests
+        done = got[1]
+        assert (done["run_id"], done["state"], done["attempt"]) == (run_id, "completed", 2), done
+        assert done["where"].endswith(":" + str(project.remote_run(run_id))), done
+        status = project.doit("status", check=True)
+        assert re.search(r"notified completed at \d\d:\d\d \(webhook\)", status.stdout), status.stdout
+        assert secret not in status.stdout + json.dumps(far_state(project, run_id))
+        done = project.doit("run", "train", timeout=180)  # notify.json is private: verify still holds
+        assert done.returncode == 0 and len(hook.bodies()) == 2, out(done)
+    finally:
+        hook.close()
+
+
+def test_a_dead_webhook_never_fails_a_run(project, dead_url):
+    use_script(project, steps=20)
+    add_config(project, f"notify:\n  webhook: {dead_url}\n  command: echo \"$TETHER_NOTIFY_EVENT\" >> ../../notes\n")
+    done = project.doit("run", "train", timeout=180)
+    assert done.returncode == 0, out(done)
+    run_id = project.run_ids()[0]
+    assert far_state(project, run_id)["status"] == "completed"
+    project.wait_for(lambda: len(notify.notified(str(project.remote_run(run_id)))) == 2, timeout=60,
+                     what="both outcomes recorded")
+    records = {r["to"]: r for r in notify.notified(str(project.remote_run(run_id)))}
+    assert records["webhook"]["ok"] is False and "refused" in records["webhook"]["error"].lower(), records
+    assert records["command"]["ok"] is True, records
+    assert (project.remote_run(run_id).parent.parent / "notes").read_text() == "completed\n"
 
 
 # ---------------------------------------------------------------- SLURM: the same policy through requeue

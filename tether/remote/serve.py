@@ -8,12 +8,18 @@ launcher in its own session, never as a child that ends with this process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import posixpath
 import sys
 import traceback
-from typing import IO, Any, Dict
+from typing import IO, Any, Dict, List
 
-from tether.remote import protocol
+from tether.remote import idle, protocol
+
+# The commands that read a run (status, watch, tail, pull, a resume's checkpoint): each one resets
+# the run's idle clock (tether/remote/idle.py). Starting, stopping or removing a run is no read.
+READS = ("probe", "send", "read", "checkpoint", "seal")
 
 
 class Peer:
@@ -45,7 +51,10 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
         if writer is not None:
             protocol.write_message(out, {"stream": True})
             given["stream"] = writer
-        result = function(**given)
+        with contextlib.ExitStack() as reads:
+            for run_dir in runs_read(request.get("command", ""), given):
+                reads.enter_context(idle.reading(run_dir))
+            result = function(**given)
     except (Exception, SystemExit) as err:
         if writer is not None:
             writer.close()  # the client reads the stream's end before the error
@@ -59,6 +68,19 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
     if peer.reader is not None:
         peer.reader.drain()  # the stream's end marker (a tar reader stops before it)
     return {"ok": True, "result": result}
+
+
+def runs_read(command: str, given: Dict[str, Any]) -> List[str]:
+    """The run dirs a request of READS reads: its `run_dir`, its `run_dirs`, or the run named by a
+    `path` under `<root>/runs/<run id>/` (only folders inside a `runs/` folder: never remote_dir itself)."""
+    if command not in READS:
+        return []
+    found = [given.get("run_dir")] + list(given.get("run_dirs") or [])
+    parts = posixpath.normpath(str(given.get("path") or "")).split("/")
+    if isinstance(given.get("root"), str) and len(parts) >= 3 and parts[0] == "runs" and parts[1] not in ("", "..", "."):
+        found.append(posixpath.join(given["root"], "runs", parts[1]))
+    found = [posixpath.normpath(d) for d in found if isinstance(d, str) and d]
+    return sorted({d for d in found if posixpath.basename(posixpath.dirname(d)) == "runs"})
 
 
 def main(source: IO[bytes], out: IO[bytes]) -> int:

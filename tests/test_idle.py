@@ -227,6 +227,59 @@ def test_the_wait_ends_when_the_run_is_no_longer_ours_or_gone(run_dir, tmp_path)
     assert lines(marker) == [] and not run_dir.exists()  # and the wait wrote nothing back
 
 
+def sibling(run_dir: Path, name: str) -> Path:
+    """Another run of the same box: a copy of the sealed run in the same runs/ folder."""
+    other = run_dir.parent / name
+    shutil.copytree(run_dir, other, symlinks=True)
+    return other
+
+
+def test_another_run_of_the_box_alive_or_being_read_holds_the_stop_off(run_dir, tmp_path):
+    """A sweep on one box: the first run to idle must not stop the box under the others."""
+    marker = tmp_path / "marker"
+    other = sibling(run_dir, "demo-other")
+    mark_read(run_dir)
+    fd = os.open(other / "launcher.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a live launcher (and its trainer) holds
+    waiter = Waiter(run_dir, f"echo x >> {marker}")
+    poll(lambda: time.time() - (run_dir / "read_at").stat().st_mtime > 3 * AFTER_S, timeout=30, what="3 x after_s")
+    waiter.polled(5)
+    assert lines(marker) == []
+    os.close(fd)  # it ended
+
+    holding, release = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        with idle.reading(str(other)):
+            holding.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    assert holding.wait(30)
+    waiter.polled(5)  # the other run is being pulled: still no stop
+    assert lines(marker) == []
+    release.set()
+    thread.join(30)
+    ended = (other / "read_at").stat().st_mtime
+    waiter.join()
+    assert lines(marker) == ["x"]
+    assert record(run_dir)["ran_at"] - ended >= AFTER_S - 0.001  # the other run's read reset the box's clock
+
+
+def test_two_runs_idling_together_stop_the_box_once(run_dir, tmp_path):
+    marker = tmp_path / "marker"
+    other = sibling(run_dir, "demo-other")
+    mark_read(other)
+    waiters = [Waiter(run_dir, f"echo x >> {marker}"), Waiter(other, f"echo x >> {marker}")]
+    for waiter in waiters:
+        waiter.join()
+    assert lines(marker) == ["x"]
+    records = sorted([record(run_dir), record(other)], key=lambda r: "stopped_by" in r)
+    assert records[0]["exit_code"] == 0 and "stopped_by" in records[1], records
+    assert records[1]["stopped_by"] in (run_dir.name, other.name)
+
+
 def test_a_failing_or_hanging_stop_command_is_recorded(run_dir, tmp_path):
     Waiter(run_dir, "echo said-so; exit 3", after_s=0.05).join()
     failed = record(run_dir)

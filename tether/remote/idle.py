@@ -1,12 +1,13 @@
-"""A rented box's meter: when a sealed run was last read, and the one idle stop once nobody has for long.
+"""A rented box's meter: when its runs were last read, and the one idle stop once nobody has for long.
 
-Stdlib only, Python >= 3.8 (copied to the far side with the launcher). Three private files of the
+Stdlib only, Python >= 3.8 (copied to the far side with the launcher). Three private files of a
 run dir carry it (rundir.PRIVATE_FILES): `readers.lock`, on which every serve request that reads
 the run holds a shared flock; `read_at`, touched at the end of each such request (its mtime is
-the last read); and `idle.json`, the idle stop's record. The stop decides under an exclusive,
-non-blocking flock on `readers.lock`, so it never fires in the middle of a pull. Nothing here
-writes state.json or events.jsonl: they are sealed into the manifest, and a write would break
-its verification.
+the last read); and `idle.json`, the idle stop's record. The box is one meter: the stop waits
+for the last read (or seal) of any run in the same runs/ folder, never fires while another run
+there is alive, and decides under exclusive, non-blocking flocks on every run's `readers.lock`,
+so it never cuts off a pull. Nothing here writes state.json or events.jsonl: they are sealed
+into the manifest, and a write would break its verification.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import os
 import signal
 import subprocess
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from tether.remote.fileio import read_json
-from tether.remote.rundir import is_final, now, run_file, write_private
+from tether.remote.rundir import is_alive, is_final, now, run_file, write_private
 
 READERS, READ_AT, RECORD = "readers.lock", "read_at", "idle.json"
 POLL_MAX_S = 5.0  # the stop comes at most this late: seconds, against an idle time of minutes
@@ -49,12 +50,14 @@ def reading(run_dir: str) -> Iterator[None]:
 
 
 def wait_then_stop(run_dir: str, settings: Dict[str, Any], still_ours: Callable[[], bool]) -> None:
-    """Wait until the run is final and sealed and nothing has read it for settings["after_s"] seconds,
-    then run settings["command"] (the box's stop, which keeps its disk) once, through /bin/sh.
+    """Wait until the run is final and sealed, no other run in its runs/ folder is alive, and nothing
+    has read any of them for settings["after_s"] seconds; then run settings["command"] (the box's
+    stop, which keeps its disk) once, through /bin/sh.
 
-    Returns when the command has run (its outcome in RUN_DIR/idle.json), when `still_ours()` turns
-    false (the run reopened, a newer launcher took over) or when the run dir is gone. A stop already
-    recorded for this seal is never run again, whoever calls this later.
+    Returns when the command has run (its outcome in RUN_DIR/idle.json), when another run's wait
+    has stopped the box since the last read, when `still_ours()` turns false (the run reopened, a
+    newer launcher took over) or when the run dir is gone. A stop recorded for this seal is never
+    run again, whoever calls this later. settings may carry "timeout_s" (default STOP_TIMEOUT_S).
     """
     after_s, command = float(settings["after_s"]), str(settings["command"])
     timeout_s = float(settings.get("timeout_s") or STOP_TIMEOUT_S)
@@ -72,20 +75,19 @@ def wait_then_stop(run_dir: str, settings: Dict[str, Any], still_ours: Callable[
 
 
 def describe(run_dir: str) -> Dict[str, Any]:
-    """The idle stop as `status` shows it: {after_s, last_read_age_s, ran_at, exit_code[, error]}, or {}
-    when none is configured for this run."""
+    """The idle stop as `status` shows it: {after_s, last_read_age_s (the box's: any of its runs, read
+    or sealed), ran_at, exit_code[, error, stopped_by]}, or {} when none is configured for this run."""
     record = _read_record(run_dir)
     if not record:
         return {}
-    last = _last_read(run_dir)
+    last = _box_last_read(run_dir)
     found = {"after_s": record.get("after_s"), "ran_at": record.get("ran_at"), "exit_code": record.get("exit_code"),
              "last_read_age_s": None if last is None else round(max(0.0, time.time() - last), 1)}
-    if record.get("error"):
-        found["error"] = record["error"]
+    found.update({k: record[k] for k in ("error", "stopped_by") if record.get(k)})
     return found
 
 
-# ---------------------------------------------------------------- the clock: seal, reads, idle time
+# ---------------------------------------------------------------- the clock: seals, reads, idle time
 
 
 def _mtime(path: str) -> Optional[float]:
@@ -101,48 +103,89 @@ def _seal_time(run_dir: str) -> Optional[float]:
 
 
 def _last_read(run_dir: str) -> Optional[float]:
-    """The later of the last read and the seal (a run never read since its seal counts from the seal)."""
+    """The later of the run's last read and its seal (a run never read since its seal counts from the seal)."""
     times = [t for t in (_mtime(run_file(run_dir, READ_AT)), _seal_time(run_dir)) if t is not None]
     return max(times) if times else None
 
 
+def _runs(run_dir: str) -> List[str]:
+    """Every run dir of the box: the folders of run_dir's runs/ folder, run_dir first."""
+    own = os.path.abspath(run_dir)
+    parent = os.path.dirname(own)
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return [own]
+    others = [os.path.join(parent, n) for n in names if os.path.join(parent, n) != own]
+    return [own] + [d for d in others if os.path.isdir(d) and not os.path.islink(d)]
+
+
+def _box_last_read(run_dir: str) -> Optional[float]:
+    """The box's last read: the latest read or seal of any of its runs."""
+    times = [t for t in (_last_read(d) for d in _runs(run_dir)) if t is not None]
+    return max(times) if times else None
+
+
 def _idle_s(run_dir: str) -> Optional[float]:
-    """Seconds since the last read of a final, sealed run; None while the run goes on or is not sealed."""
+    """Seconds since the box's last read, once this run is final and sealed and no other run is alive;
+    None until then."""
     sealed = _seal_time(run_dir)
     try:
         state = read_json(run_file(run_dir, "state.json")) or {}
     except (OSError, ValueError):
         return None  # mid-rewrite or unreadable: look again at the next poll
-    if sealed is None or not is_final(state):
+    if sealed is None or not is_final(state) or any(is_alive(d) for d in _runs(run_dir)[1:]):
         return None
-    return time.time() - (_last_read(run_dir) or sealed)
+    return time.time() - (_box_last_read(run_dir) or sealed)
 
 
 # ---------------------------------------------------------------- the stop
 
 
 def _stop_once(run_dir: str, after_s: float, command: str, timeout_s: float, still_ours: Callable[[], bool]) -> bool:
-    """Run the stop unless a request is reading the run right now; True when it ran (or was recorded as run)."""
-    fd = _open_lock(run_dir)
-    if fd is None:
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    """Run the stop unless a request is reading one of the box's runs right now; True when the wait is over
+    (the stop ran, or another run's wait stopped the box since the last read)."""
+    with contextlib.ExitStack() as locks:
+        if not all(_lock_exclusive(locks, d, create=i == 0) for i, d in enumerate(_runs(run_dir))):
             return False  # mid-read: that request touches read_at as it ends, and the wait starts again
-        idle = _idle_s(run_dir)  # a read may have ended between the first look and the lock
+        idle = _idle_s(run_dir)  # a read may have ended between the first look and the locks
         if idle is None or idle < after_s or not still_ours() or _ran_for_this_seal(run_dir):
             return False
+        other = _stopped_since(run_dir, _box_last_read(run_dir))
+        if other:  # two runs' waits reached the same moment: the box stops once
+            _record(run_dir, dict(_read_record(run_dir), stopped_by=other))
+            return True
         record = {"after_s": after_s, "command": command, "sealed_at": _seal_time(run_dir), "ran_at": now(),
                   "exit_code": None, "error": None}
         if not _record(run_dir, record):  # recorded before it runs: a box that stops mid-command has still stopped
             return False
-    finally:
-        os.close(fd)
     record.update(_run(run_dir, command, timeout_s))
     _record(run_dir, record)
     return True
+
+
+def _lock_exclusive(locks: contextlib.ExitStack, run_dir: str, create: bool) -> bool:
+    """An exclusive, non-blocking flock on RUN_DIR/readers.lock, held until `locks` closes; False if a
+    reader holds it. Another run's lock file is never created (a run never read has no reader)."""
+    try:
+        fd = os.open(run_file(run_dir, READERS), os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    except OSError:
+        return not create
+    locks.callback(os.close, fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _stopped_since(run_dir: str, last: Optional[float]) -> str:
+    """The name of another run of the box whose idle stop ran after the box's last read ('' if none)."""
+    for other in _runs(run_dir)[1:]:
+        ran = _read_record(other).get("ran_at")
+        if ran is not None and last is not None and ran >= last:
+            return os.path.basename(other)
+    return ""
 
 
 def _run(run_dir: str, command: str, timeout_s: float) -> Dict[str, Any]:

@@ -325,18 +325,20 @@ def test_reads_through_serve_reset_the_idle_clock_and_hold_the_lock(run_dir, tmp
         os.utime(read_at, (old, old))
 
     try:
-        for name, request in [
+        for name, request in [  # status and watch, pull (manifest, small files), and any other request about it
             ("probe", lambda: backend.far.probe([str(run_dir)])),
             ("read", lambda: backend.far.cat(f"runs/{run_dir.name}/PULL_MANIFEST.json")),
             ("send", lambda: backend.far.send(str(run_dir), ["run.json"], lambda chunk: None, None)),
+            ("start", lambda: backend.far.start(str(run_dir), backend.settings())),
         ]:
             reset()
             request()
             assert read_at.stat().st_mtime > old + 3000, f"{name} did not count as a read"
 
         reset()
-        assert backend.far.start(str(run_dir), backend.settings()).outcome == "finished"
-        assert read_at.stat().st_mtime == old  # starting (or stopping) a run is no read
+        backend.far.have(str(remote / "objects"), ["0" * 64])
+        backend.far.read("tether/" + backend.version + "/tether/__init__.py", lambda chunk: None)
+        assert read_at.stat().st_mtime == old  # requests about no run are no read of it
 
         # while a read streams, its request holds readers.lock shared: the idle stop's exclusive try fails
         big = run_dir / "artifacts" / "big.bin"

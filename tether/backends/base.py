@@ -22,15 +22,15 @@ from tether.paths import RunPaths
 from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcome
 
 
-
 DELETING_WORDS = ("terminate", "destroy", "delete", "remove")  # the providers' verbs that take the disk too
 
 
 @dataclass(frozen=True)
 class IdleStop:
-    """idle_stop: {after_s: S, command: CMD}: once a run is final and sealed and nothing has read it
-    (no pull, status or watch) for after_s seconds, the box runs CMD, once: its own stop, which keeps
-    the disk so the results stay pullable (tether.remote.idle)."""
+    """idle_stop: {after_s: S, command: CMD}: once a run is final and sealed, no other run of the box
+    is alive, and nothing has read any of them (no pull, status or watch) for after_s seconds, the
+    box runs CMD, once: its own stop, which keeps the disk so the results stay pullable
+    (tether.remote.idle.wait_then_stop, called by the far side's launcher)."""
 
     after_s: float = 1800.0
     command: str = ""
@@ -67,7 +67,7 @@ class Shared:
     python: Optional[str] = None
     max_artifact_mb: Optional[float] = None  # artifacts and checkpoints above this stay on the far side
     teardown_command: Optional[str] = None  # run here by `down` after the gate and the run dir's removal
-    idle_stop: Optional[IdleStop] = None  # the box stops itself once its sealed run goes unread
+    idle_stop: Optional[IdleStop] = None  # the box stops itself once its sealed runs go unread
 
     def problems(self) -> list[str]:
         found = self.idle_stop.problems() if self.idle_stop is not None else []

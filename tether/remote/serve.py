@@ -17,10 +17,6 @@ from typing import IO, Any, Dict, List
 
 from tether.remote import idle, protocol
 
-# The commands that read a run (status, watch, tail, pull, a resume's checkpoint): each one resets
-# the run's idle clock (tether/remote/idle.py). Starting, stopping or removing a run is no read.
-READS = ("probe", "send", "read", "checkpoint", "seal")
-
 
 class Peer:
     """What a streaming command may do with the client: ask it something, then read its stream."""
@@ -52,8 +48,8 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
             protocol.write_message(out, {"stream": True})
             given["stream"] = writer
         with contextlib.ExitStack() as reads:
-            for run_dir in runs_read(request.get("command", ""), given):
-                reads.enter_context(idle.reading(run_dir))
+            for run_dir in runs_named(given):
+                reads.enter_context(idle.reading(run_dir))  # the box's idle clock (tether/remote/idle.py)
             result = function(**given)
     except (Exception, SystemExit) as err:
         if writer is not None:
@@ -70,17 +66,16 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
     return {"ok": True, "result": result}
 
 
-def runs_read(command: str, given: Dict[str, Any]) -> List[str]:
-    """The run dirs a request of READS reads: its `run_dir`, its `run_dirs`, or the run named by a
-    `path` under `<root>/runs/<run id>/` (only folders inside a `runs/` folder: never remote_dir itself)."""
-    if command not in READS:
-        return []
+def runs_named(given: Dict[str, Any]) -> List[str]:
+    """The run dirs a request is about: its `run_dir`, its `run_dirs`, or the run of a `path` under
+    `<root>/runs/<run id>/`. Every such request (a status, watch or pull, and also a push, start or
+    stop) is a read of the run that resets the box's idle clock; `check`, `have` and `prune` name none."""
     found = [given.get("run_dir")] + list(given.get("run_dirs") or [])
     parts = posixpath.normpath(str(given.get("path") or "")).split("/")
-    if isinstance(given.get("root"), str) and len(parts) >= 3 and parts[0] == "runs" and parts[1] not in ("", "..", "."):
+    if isinstance(given.get("root"), str) and len(parts) >= 3 and parts[0] == "runs" and parts[1] != "..":
         found.append(posixpath.join(given["root"], "runs", parts[1]))
     found = [posixpath.normpath(d) for d in found if isinstance(d, str) and d]
-    return sorted({d for d in found if posixpath.basename(posixpath.dirname(d)) == "runs"})
+    return sorted({d for d in found if posixpath.basename(posixpath.dirname(d)) == "runs"})  # never remote_dir
 
 
 def main(source: IO[bytes], out: IO[bytes]) -> int:

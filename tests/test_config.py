@@ -165,7 +165,7 @@ def test_load_number_refuses_non_numbers(project, value):
 @pytest.mark.parametrize("old, new, needle, message", [
     ("  local: {type: local}", "  local: {type: local, pyhton: python3}", "pyhton",
      "unknown key 'pyhton' in backend 'local' (type local) (did you mean 'python'?); "
-     "valid keys: max_artifact_mb, python, remote_dir, type"),
+     "valid keys: idle_stop, max_artifact_mb, python, remote_dir, teardown_command, type"),
     ("checkpoint: {keep: 3, every: 50}", "checkpoint: {kep: 3, every: 50}", "kep:",
      "unknown key 'kep' in checkpoint (did you mean 'keep'?); valid keys: every, keep"),
     ("checkpoint: {keep: 3, every: 50}", "checkpoint:\n  every: 50\n  kep: 3", "kep:",
@@ -303,7 +303,8 @@ def test_key_of_another_backend_type_is_refused(project):
     text = edit("  local: {type: local}", "  local: {type: local, host: gpu1}")
     problems = load_problems(project, text)
     assert problems == [f"{project.root / 'tether.yaml'}:{line_of(text, 'host:')}: error: unknown key 'host' "
-                        f"in backend 'local' (type local); valid keys: max_artifact_mb, python, remote_dir, type"], problems
+                        f"in backend 'local' (type local); valid keys: idle_stop, max_artifact_mb, python, remote_dir, "
+                        f"teardown_command, type"], problems
 
 
 # ---------------------------------------------------------------- paths

@@ -171,6 +171,8 @@ def _coerce(value: Any, hint: Any, where: str, problems: Problems, key: str) -> 
         if value is None and type(None) in args:
             return None
         for arg in args:
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # Optional[section]: its own errors
+                return build(arg, value, problems, key)
             trial = Problems(problems.source)
             result = _coerce(value, arg, where, trial, key)
             if not trial.errors:

@@ -22,6 +22,41 @@ from tether.paths import RunPaths
 from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcome
 
 
+DELETING_WORDS = ("terminate", "destroy", "delete", "remove")  # the providers' verbs that take the disk too
+
+
+@dataclass(frozen=True)
+class IdleStop:
+    """idle_stop: {after_s: S, command: CMD}: once a run is final and sealed, no other run of the box
+    is alive, and nothing has read any of them (no pull, status or watch) for after_s seconds, the
+    box runs CMD, once: its own stop, which keeps the disk so the results stay pullable
+    (tether.remote.idle.wait_then_stop, called by the far side's launcher)."""
+
+    after_s: float = 1800.0
+    command: str = ""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.after_s <= 0:
+            found.append(f"idle_stop: after_s {self.after_s:g} must be positive: the seconds without a read "
+                         f"before the box stops itself (e.g. 1800)")
+        if not self.command.strip():
+            found.append("idle_stop: command is empty: give the box's own stop command, one that keeps its disk "
+                         "(e.g. runpodctl stop pod $RUNPOD_POD_ID; the README lists the providers' verbs)")
+        return found
+
+    def warnings(self) -> list[str]:
+        found = []
+        if 0 < self.after_s < 60:
+            found.append(f"idle_stop: after_s {self.after_s:g} is below 60 s: the box may stop itself before you "
+                         f"get to `doit pull` (a pull in progress is never cut off)")
+        said = [w for w in DELETING_WORDS if w in self.command.lower()]
+        if said:
+            found.append(f"idle_stop: command {self.command!r} says {said[0]!r}: an idle stop must keep the disk, "
+                         f"or the results go with it; use the provider's stop verb here, and its delete verb in "
+                         f"teardown_command (run by `down` once the results are verified here)")
+        return found
+
 
 @dataclass(frozen=True, kw_only=True)
 class Shared:
@@ -31,12 +66,18 @@ class Shared:
     remote_dir: Optional[str] = None
     python: Optional[str] = None
     max_artifact_mb: Optional[float] = None  # artifacts and checkpoints above this stay on the far side
+    teardown_command: Optional[str] = None  # run here by `down` after the gate and the run dir's removal
+    idle_stop: Optional[IdleStop] = None  # the box stops itself once its sealed runs go unread
 
     def problems(self) -> list[str]:
-        return []
+        found = self.idle_stop.problems() if self.idle_stop is not None else []
+        if self.teardown_command is not None and not self.teardown_command.strip():
+            found.append("teardown_command is empty: give the provider's terminate command "
+                         "(e.g. vastai destroy instance 4242), or remove the key")
+        return found
 
     def warnings(self) -> list[str]:
-        return []
+        return self.idle_stop.warnings() if self.idle_stop is not None else []
 
 
 @dataclass
@@ -234,6 +275,18 @@ class Backend:
     def keep_remote(self) -> bool:
         """Whether `down` leaves the run dir where it is (keep_remote: true over ssh); `down` asks once."""
         return False
+
+    @property
+    def teardown_command(self) -> str:
+        """The provider's terminate verb that `down` runs on this machine once the run dir is removed ('': none)."""
+        return self.config.teardown_command or ""
+
+    @property
+    def idle_stop(self) -> Optional[dict]:
+        """idle_stop as the far side's launcher takes it ({"after_s", "command"}), or None when it is off."""
+        from tether.config import asdict
+
+        return asdict(self.config.idle_stop) if self.config.idle_stop is not None else None
 
     def teardown(self, run: RunPaths) -> str:
         """Remove the run dir on the far side (the object store stays); idempotent; never a live run."""

@@ -24,11 +24,12 @@ class Config(Shared):
     type: str = "local"
 
     def problems(self) -> list[str]:
+        found = super().problems()
         if self.remote_dir is None:
-            return []
+            return found
         why = owner.unsafe(os.path.abspath(os.path.expanduser(self.remote_dir)), os.path.expanduser("~"))
-        return [f"remote_dir {self.remote_dir!r} is {why}{owner.FIX}a folder of its own, such as "
-                f"~/.cache/tether"] if why else []
+        return found + ([f"remote_dir {self.remote_dir!r} is {why}{owner.FIX}a folder of its own, such as "
+                         f"~/.cache/tether"] if why else [])
 
 
 class Backend(BaseBackend):

@@ -56,7 +56,10 @@ class Connection(Shared):
     reuse_connection_s: float = 300.0  # OpenSSH keeps the connection this long for the next command (0: never)
 
     def problems(self) -> list[str]:
-        found = []
+        found = super().problems()
+        if self.keep_remote and self.teardown_command:
+            found.append("teardown_command contradicts keep_remote: true: down would keep the run dir, then "
+                         "terminate the box (and its disk) anyway; remove one of the two")
         if not self.host.strip() or self.host.startswith("-") or any(c.isspace() for c in self.host):
             found.append(f"host {self.host!r} is not a host name: give one that `ssh HOST true` reaches")
         why = owner.unsafe(self.remote_dir if self.remote_dir.startswith(("/", "~")) else "~/" + self.remote_dir)

@@ -225,10 +225,10 @@ class Config(Connection):
             found.append(f"array_limit {self.array_limit} must be at least 1 (or null: no limit)")
         if self.job_python and not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.job_python):
             found.append(f"job_python {self.job_python!r}: give an interpreter name or path")
-        return found
+        return _no_rented_box_keys(self, found)
 
     def warnings(self) -> list[str]:
-        found = []
+        found = [w for w in super().warnings() if not w.startswith("idle_stop")]  # refused above
         seconds = time_seconds(self.time)
         if seconds and seconds > LONG_JOB_S:
             found.append(f"time {self.time} is above 6 hours: long jobs wait longer in most queues "
@@ -237,6 +237,18 @@ class Config(Connection):
             found.append(f"poll_interval_s {self.poll_interval_s:g} is below 10 s: every poll is an squeue "
                          f"on a shared login node")
         return found
+
+
+def _no_rented_box_keys(cfg: Config, found: list[str]) -> list[str]:
+    """A cluster is no rented box: its job frees the node when it ends, and `down` never tears it down."""
+    found = [p for p in found if not p.startswith(("idle_stop", "teardown_command"))]  # one line each, below
+    if cfg.idle_stop is not None:
+        found.append("idle_stop is for a box rented by the hour: under SLURM the job ends and frees its node by "
+                     "itself; remove idle_stop from this backend")
+    if cfg.teardown_command is not None:
+        found.append("teardown_command is for a rented box: `down` never tears down a cluster (it removes the "
+                     "run dir only); remove teardown_command from this backend")
+    return found
 
 
 def sbatch_lines(cfg: Config, run: RunPaths) -> list[str]:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from tether.remote.rundir import restart_allowed
 
 
 RECONNECT_MAX_S = 30.0  # backoff ceiling while the far side is unreachable
+TEARDOWN_TIMEOUT_S = 600.0  # down's teardown_command: a provider's CLI silent for ten minutes is hung
 
 
 def write_stamp(run: RunPaths, phase: str, **fields) -> None:
@@ -489,13 +491,40 @@ def down(s: Session, confirm: bool) -> str:
         return f"{run.run_id}: already removed: no action needed"
     keep = s.backend.keep_remote  # decided here once: the gate and what happens after it
     verified = manifest.gate_teardown(run, far, snap.alive, keep, s.job.artifacts)
+    terminate = s.backend.teardown_command  # never with keep_remote (the config refuses both)
     print(f"down will delete {run.remote_abs} on backend {s.job.backend} "
-          f"({len(verified['files'])} verified files are kept in {run.files})")
-    if not (confirm or _ask("delete it?")):
+          f"({len(verified['files'])} verified files are kept in {run.files})"
+          + (f" and then run: {terminate}" if terminate else ""))
+    if not (confirm or _ask("delete it and run teardown_command?" if terminate else "delete it?")):
         raise RunError(f"not confirmed: nothing deleted. Add confirm=yes to tear down {run.run_id}")
     outcome = f"kept {run.remote_abs} (keep_remote is true): nothing deleted" if keep else s.backend.teardown(run)
+    if terminate:
+        return _terminate(s, run, outcome, terminate)
     write_stamp(run, "down", outcome=outcome)
     return f"{run.run_id}: {outcome}"
+
+
+def _terminate(s: Session, run: RunPaths, outcome: str, command: str) -> str:
+    """down's last step: the provider's terminate verb, here, once the run dir is gone; a failure says so in one line."""
+    s.backend.close()  # the box may go away now: no channel is left open to it
+    code = _run_here(command)
+    write_stamp(run, "down", outcome=outcome, teardown_command=command, teardown_exit=code)
+    if code != 0:
+        failed = f"did not finish within {TEARDOWN_TIMEOUT_S:g} s" if code is None else f"exited {code}"
+        raise RunError(f"{run.run_id}: {outcome}, but teardown_command {failed}: the box may still be billing: "
+                       f"run it by hand: {command}")
+    return f"{run.run_id}: {outcome}; then ran teardown_command: {command}"
+
+
+def _run_here(command: str) -> int | None:
+    """`command` through /bin/sh on this machine, its output shown as it comes; its exit code (None: timed out)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:  # in this terminal's process group: a Ctrl-C reaches the provider's CLI too
+        return subprocess.run(["/bin/sh", "-c", command], stdin=subprocess.DEVNULL,
+                              timeout=TEARDOWN_TIMEOUT_S).returncode
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _ask(question: str) -> bool:

@@ -31,7 +31,8 @@ FOR_GOOD = ("completed",)
 # an artifact pattern that names any of them, and the seal refuses any match of a private one.
 SEALED_FILES = ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
 PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested", "notify.json",
-                 "PULL_MANIFEST.json", "PULL_MANIFEST.attempt-*.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out")
+                 "PULL_MANIFEST.json", "PULL_MANIFEST.attempt-*.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out",
+                 "read_at", "readers.lock", "idle.json")  # the last three: a rented box's meter (tether.remote.idle)
 TETHER_FILES = SEALED_FILES + PRIVATE_FILES
 MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem
 MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob

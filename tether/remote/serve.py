@@ -8,12 +8,14 @@ launcher in its own session, never as a child that ends with this process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import posixpath
 import sys
 import traceback
-from typing import IO, Any, Dict
+from typing import IO, Any, Dict, List
 
-from tether.remote import protocol
+from tether.remote import idle, protocol
 
 
 class Peer:
@@ -45,7 +47,10 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
         if writer is not None:
             protocol.write_message(out, {"stream": True})
             given["stream"] = writer
-        result = function(**given)
+        with contextlib.ExitStack() as reads:
+            for run_dir in runs_named(given):
+                reads.enter_context(idle.reading(run_dir))  # the box's idle clock (tether/remote/idle.py)
+            result = function(**given)
     except (Exception, SystemExit) as err:
         if writer is not None:
             writer.close()  # the client reads the stream's end before the error
@@ -59,6 +64,18 @@ def answer(request: Dict[str, Any], source: IO[bytes], out: IO[bytes]) -> Dict[s
     if peer.reader is not None:
         peer.reader.drain()  # the stream's end marker (a tar reader stops before it)
     return {"ok": True, "result": result}
+
+
+def runs_named(given: Dict[str, Any]) -> List[str]:
+    """The run dirs a request is about: its `run_dir`, its `run_dirs`, or the run of a `path` under
+    `<root>/runs/<run id>/`. Every such request (a status, watch or pull, and also a push, start or
+    stop) is a read of the run that resets the box's idle clock; `check`, `have` and `prune` name none."""
+    found = [given.get("run_dir")] + list(given.get("run_dirs") or [])
+    parts = posixpath.normpath(str(given.get("path") or "")).split("/")
+    if isinstance(given.get("root"), str) and len(parts) >= 3 and parts[0] == "runs" and parts[1] != "..":
+        found.append(posixpath.join(given["root"], "runs", parts[1]))
+    found = [posixpath.normpath(d) for d in found if isinstance(d, str) and d]
+    return sorted({d for d in found if posixpath.basename(posixpath.dirname(d)) == "runs"})  # never remote_dir
 
 
 def main(source: IO[bytes], out: IO[bytes]) -> int:

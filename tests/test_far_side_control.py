@@ -232,6 +232,49 @@ def test_a_dead_webhook_never_fails_a_run(project, dead_url):
     assert (project.remote_run(run_id).parent.parent / "notes").read_text() == "completed\n"
 
 
+# ---------------------------------------------------------------- the rented box's idle stop, from the launcher
+
+
+def with_idle_stop(text: str, marker: Path) -> str:
+    """`text` whose backend stops "the box" (appends to `marker`, never a real shutdown) 2 s after its last read."""
+    stop = f"idle_stop: {{after_s: 2, command: 'echo stopped >> {marker}'}}, "
+    backends = text.index("\nbackends:\n")
+    text = text[:backends] + re.sub(r"^(  \w+: \{)", lambda m: m.group(1) + stop, text[backends:], count=1, flags=re.M)
+    assert "idle_stop" in text, text
+    ack = '"is below 60 s"'
+    return text.replace("  acknowledge: [", f"  acknowledge: [{ack}, ") if "  acknowledge: [" in text \
+        else text + f"validation: {{acknowledge: [{ack}]}}\n"
+
+
+def assert_the_box_stops_once_after_the_run_idles(project, run_id: str, marker: Path) -> None:
+    assert not marker.exists()  # the run went, then was pulled: never stopped meanwhile
+    project.wait_for(lambda: marker.exists(), timeout=30, what="the idle stop")
+    idle = json.loads((project.remote_run(run_id) / "idle.json").read_text())
+    assert idle["exit_code"] == 0 and idle["ran_at"] >= far_state(project, run_id)["ended_at"] + 2, idle
+    status = project.doit("status", check=True)
+    assert re.search(r"idle stop ran at \d\d:\d\d \(exit code 0\)", status.stdout), status.stdout
+    assert marker.read_text() == "stopped\n"  # once, and a later read never runs it again
+    assert project.doit("pull", "verify", check=True).returncode == 0  # the sealed files are untouched
+
+
+def test_idle_stop_runs_once_after_the_sealed_run_idles(project, tmp_path):
+    use_script(project, steps=20)
+    marker = tmp_path / "box-stopped"
+    (project.root / "tether.yaml").write_text(with_idle_stop((project.root / "tether.yaml").read_text(), marker))
+    done = project.doit("run", "train", timeout=180)
+    assert done.returncode == 0, out(done)
+    assert_the_box_stops_once_after_the_run_idles(project, project.run_ids()[0], marker)
+
+
+def test_over_ssh_idle_stop_runs_once_after_the_sealed_run_idles(project, sshd, tmp_path):
+    far = ssh_script_job(project, sshd, tmp_path / "far", steps=20)
+    marker = tmp_path / "box-stopped"
+    (far.root / "tether.yaml").write_text(with_idle_stop((far.root / "tether.yaml").read_text(), marker))
+    done = far.doit("run", "train", timeout=180)
+    assert done.returncode == 0, out(done)
+    assert_the_box_stops_once_after_the_run_idles(far, far.run_ids()[0], marker)
+
+
 # ---------------------------------------------------------------- SLURM: the same policy through requeue
 
 

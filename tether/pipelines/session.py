@@ -165,9 +165,8 @@ class Session:
         """What the far side enforces on its own, with nobody watching (run.json's `controls`): limits,
         notifications, the box's idle stop. Not part of the run's identity: changing them never mints a
         new run, and a relaunch after `doit stop` or `retry=1` takes the config's current ones."""
-        idle = getattr(self.backend.config, "idle_stop", None)  # a backend type without one: SLURM
         return {"max_wall_seconds": self.job.max_wall_seconds, "stall_timeout_s": self.job.stall_timeout_s,
-                "notify": config_mod.asdict(self.job.notify), "idle_stop": config_mod.asdict(idle) if idle else None}
+                "notify": config_mod.asdict(self.job.notify), "idle_stop": self.backend.idle_stop}
 
     @property
     def tree_hashes(self) -> dict[str, Optional[str]]:

@@ -408,12 +408,12 @@ def test_down_runs_teardown_command_once_after_the_gate_and_the_confirmation(tmp
 
     refused = project.doit("run", "down")  # no terminal, no confirm=yes
     assert refused.returncode != 0 and "confirm=yes" in refused.stderr, refused.stdout + refused.stderr
-    assert f"and then run: {command}" in refused.stdout, refused.stdout  # in full, before anything happens
+    assert f"and then run, if no other run is left there: {command}" in refused.stdout, refused.stdout  # in full, before anything happens
     assert not marker.exists() and project.remote_run(run_id).is_dir()
 
     code, said = interactive_down(project, "n")
     assert code != 0, said
-    shown, asked = said.index(f"and then run: {command}"), said.index("delete it and run teardown_command? [y/N]")
+    shown, asked = said.index(f"and then run, if no other run is left there: {command}"), said.index("delete it and run teardown_command? [y/N]")
     assert shown < asked, said
     assert not marker.exists() and project.remote_run(run_id).is_dir()
 
@@ -445,6 +445,26 @@ def test_down_with_confirm_yes_runs_it_and_a_failure_is_one_line(tmp_path):
     assert "exited 7" in errors[0] and "may still be billing" in errors[0], errors
     assert errors[0].endswith(f"run it by hand: {command}"), errors
     assert not project.remote_run(run_id).exists()  # the run dir went first, as it should
+
+
+def test_teardown_command_waits_for_the_down_of_the_last_run_on_the_box(tmp_path):
+    marker = tmp_path / "marker"
+    root = tmp_path / "proj"
+    command = marker_command(marker, root / ".tether" / "remote" / "runs")
+    project = teardown_project(root, command)
+    project.doit("run", "train", check=True)
+    project.write_config(epochs=6, backend=json.dumps({"type": "local", "teardown_command": command}))
+    project.doit("run", "train", check=True)  # a second run on the same box
+    first, second = project.run_ids()[-2:]
+
+    done = project.doit("run", "down", f"run={first}", "confirm=yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"teardown_command not run: the far side still holds 1 other run(s) ({second})" in done.stdout, done.stdout
+    assert not marker.exists() and not project.remote_run(first).exists() and project.remote_run(second).is_dir()
+
+    done = project.doit("run", "down", f"run={second}", "confirm=yes")  # the last one: the box goes
+    assert done.returncode == 0 and "then ran teardown_command" in done.stdout, done.stdout + done.stderr
+    assert lines(marker) == ["gone"]
 
 
 def test_a_down_the_gate_refuses_never_runs_teardown_command(tmp_path):

@@ -288,14 +288,14 @@ class Backend:
 
         return asdict(self.config.idle_stop) if self.config.idle_stop is not None else None
 
-    def teardown(self, run: RunPaths) -> str:
-        """Remove the run dir on the far side (the object store stays); idempotent; never a live run."""
-        outcome = self.far.remove(run.remote_abs)
-        if outcome == "absent":
-            return "already removed: no action needed"
-        if outcome == "alive":
+    def teardown(self, run: RunPaths) -> tuple[str, list[str]]:
+        """Remove the run dir on the far side (the object store stays); idempotent; never a live run.
+        What was done, and the other runs the far side still holds."""
+        removal = self.far.remove(run.remote_abs)
+        if removal.outcome == "alive":
             raise BackendError(f"run {run.run_id} is still running: `doit stop run={run.run_id}` first")
-        return f"removed {run.remote_abs}"
+        done = "already removed: no action needed" if removal.outcome == "absent" else f"removed {run.remote_abs}"
+        return done, removal.others
 
 
 def _gpu_items(report: Report, found: Preflight, settings: dict) -> None:

@@ -17,7 +17,7 @@ from tether.shipping import bootstrap_script, package_tar
 from tether.errors import BackendError, RemoteCommandError
 from tether.remote.fileio import CHUNK
 from tether.remote.protocol import ChunkWriter
-from tether.remote.protocol import CheckpointInfo, LaunchResult, Preflight, PushResult, Snapshot, StopOutcome
+from tether.remote.protocol import CheckpointInfo, LaunchResult, Preflight, PushResult, Removal, Snapshot, StopOutcome
 
 if TYPE_CHECKING:
     from tether.backends.base import Backend
@@ -221,8 +221,8 @@ class FarSide:
 
         self.call("put", root=self.root(), path=path, answer=send, stall_s=self.backend.stall_timeout_s)
 
-    def remove(self, run_dir: str) -> str:
-        return self.call("remove", run_dir=run_dir)["outcome"]
+    def remove(self, run_dir: str) -> Removal:
+        return Removal.of(self.call("remove", run_dir=run_dir))
 
     def prune(self, remote_dir: str) -> dict:
         return self.call("prune", remote_dir=remote_dir)

@@ -494,10 +494,18 @@ def down(s: Session, confirm: bool) -> str:
     terminate = s.backend.teardown_command  # never with keep_remote (the config refuses both)
     print(f"down will delete {run.remote_abs} on backend {s.job.backend} "
           f"({len(verified['files'])} verified files are kept in {run.files})"
-          + (f" and then run: {terminate}" if terminate else ""))
+          + (f" and then run, if no other run is left there: {terminate}" if terminate else ""))
     if not (confirm or _ask("delete it and run teardown_command?" if terminate else "delete it?")):
         raise RunError(f"not confirmed: nothing deleted. Add confirm=yes to tear down {run.run_id}")
-    outcome = f"kept {run.remote_abs} (keep_remote is true): nothing deleted" if keep else s.backend.teardown(run)
+    if keep:
+        outcome, others = f"kept {run.remote_abs} (keep_remote is true): nothing deleted", []
+    else:
+        outcome, others = s.backend.teardown(run)
+    if terminate and others:  # the box still holds other runs: terminating it would lose them
+        write_stamp(run, "down", outcome=outcome, teardown_waits_for=others)
+        return (f"{run.run_id}: {outcome}; teardown_command not run: the far side still holds "
+                f"{len(others)} other run(s) ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+                f"it runs with the `down` of the last one")
     if terminate:
         return _terminate(s, run, outcome, terminate)
     write_stamp(run, "down", outcome=outcome)

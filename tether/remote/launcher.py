@@ -204,13 +204,19 @@ def checkpoint(run_dir: str, named: Optional[str] = None) -> Dict[str, Any]:
 
 
 def remove(run_dir: str) -> Dict[str, Any]:
-    """Delete an ended run's folder (the object store stays); never a live run's."""
+    """Delete an ended run's folder (the object store stays); never a live run's. Says which other
+    runs the box still holds (a teardown_command waits for the last one)."""
     if not os.path.isdir(run_dir):
-        return {"outcome": "absent"}
-    if is_alive(run_dir):
-        return {"outcome": "alive"}
-    shutil.rmtree(run_dir)
-    return {"outcome": "removed"}
+        outcome = "absent"
+    elif is_alive(run_dir):
+        outcome = "alive"
+    else:
+        shutil.rmtree(run_dir)
+        outcome = "removed"
+    runs, name = os.path.dirname(run_dir), os.path.basename(run_dir)
+    others = sorted(d for d in os.listdir(runs) if d != name and os.path.isdir(os.path.join(runs, d))) \
+        if os.path.isdir(runs) else []
+    return {"outcome": outcome, "others": others}
 
 
 # ---------------------------------------------------------------- command line

@@ -117,6 +117,18 @@ class LaunchResult:
 
 
 @dataclass
+class Removal:
+    """What `remove` did to a run dir (removed, absent, alive), and the other runs still on the box."""
+
+    outcome: str
+    others: List[str] = field(default_factory=list)  # run ids left in the same runs/ folder
+
+    @classmethod
+    def of(cls, found: Dict[str, Any]) -> "Removal":
+        return cls(**_known(cls, found))
+
+
+@dataclass
 class StopOutcome:
     """What `stop` (or `cancel`) did, honestly: stopped, was not running, or error."""
 

@@ -162,7 +162,7 @@ def test_the_newest_complete_folders_are_kept_sealed_pulled_and_verified(project
 
 
 def test_a_folder_half_saved_by_a_crash_is_never_taken_and_the_relaunch_resumes_before_it(project, tmp_path):
-    use_hf(project, "--crash_saving 9", restart="{policy: on-failure, max_restarts: 1}")
+    use_hf(project, "--crash_saving 9", restart="{policy: on-failure, max_restarts: 1, backoff_s: 0.5}")
     done = project.doit("run", "train", timeout=180)
     assert done.returncode == 0, out(done)
     run_id = project.run_ids()[0]

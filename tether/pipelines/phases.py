@@ -1,4 +1,5 @@
-"""The seven phases as plain functions over a Session; each decides from stamps and far-side state.
+"""The phases up to verify as plain functions over a Session (down: tether.pipelines.teardown); each
+decides from stamps and far-side state.
 
 Every phase is idempotent: it first asks whether its work is already done (a local stamp, the
 far side's files), so a doit process killed at any point loses nothing when run again.
@@ -10,7 +11,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -23,13 +23,12 @@ from tether.pipelines import plans, resuming, transfer
 from tether.pipelines.observe import EventReader, LastLine, queue_text, tail_text
 from tether.pipelines.session import Session, flag
 from tether.remote.fileio import atomic_write_json, read_json
-from tether.remote.protocol import (ABSENT, ALREADY_RUNNING, CANCELLED, COMPLETED, ENDED_BADLY, ERROR, FAILED, FINISHED,
+from tether.remote.protocol import (ALREADY_RUNNING, CANCELLED, COMPLETED, ENDED_BADLY, ERROR, FAILED, FINISHED,
                                     LOST, PENDING, PREEMPTED, RUNNING, STALLED, STARTED, STOPPED, Snapshot)
 from tether.remote.rundir import restart_allowed
 
 
 RECONNECT_MAX_S = 30.0  # backoff ceiling while the far side is unreachable
-TEARDOWN_TIMEOUT_S = 600.0  # down's teardown_command: a provider's CLI silent for ten minutes is hung
 
 
 def write_stamp(run: RunPaths, phase: str, **fields) -> None:
@@ -374,7 +373,7 @@ def pull(s: Session) -> str:
     run = s.observed()
     verified = read_json(run.verified) if manifest.still_verified(run) else None
     try:
-        data = _far_manifest(s, run)
+        data = far_manifest(s, run)
     except Exception as err:  # unreachable: what is verified here stays verified
         if verified is None or not s.backend.is_transport_error(err):
             raise
@@ -409,7 +408,7 @@ def pull(s: Session) -> str:
     return f"{run.run_id}: pulled {len(todo)} of {len(listed.files)} files ({total} bytes)"
 
 
-def _far_manifest(s: Session, run: RunPaths) -> bytes | None:
+def far_manifest(s: Session, run: RunPaths) -> bytes | None:
     """The far side's PULL_MANIFEST.json, or None when it has none."""
     try:
         return s.backend.far.cat(run.remote_file("PULL_MANIFEST.json"))
@@ -480,62 +479,3 @@ def verify(s: Session) -> str:
              f"(pip install torch to load them)") if found else ""
     return (f"{run.run_id}: verified {len(verified['files'])} files ({verified['bytes']} bytes)"
             f"{torch}; results in {run.files}")
-
-
-def down(s: Session, confirm: bool) -> str:
-    """Remove the far-side run dir, only once the results here are verified against its manifest."""
-    run = s.observed()
-    far = _far_manifest(s, run)
-    snap = s.snapshot(run, fresh=True)
-    if far is None and snap.status == ABSENT:
-        return f"{run.run_id}: already removed: no action needed"
-    keep = s.backend.keep_remote  # decided here once: the gate and what happens after it
-    verified = manifest.gate_teardown(run, far, snap.alive, keep, s.job.artifacts)
-    terminate = s.backend.teardown_command  # never with keep_remote (the config refuses both)
-    print(f"down will delete {run.remote_abs} on backend {s.job.backend} "
-          f"({len(verified['files'])} verified files are kept in {run.files})"
-          + (f" and then run, if no other run is left there: {terminate}" if terminate else ""))
-    if not (confirm or _ask("delete it and run teardown_command?" if terminate else "delete it?")):
-        raise RunError(f"not confirmed: nothing deleted. Add confirm=yes to tear down {run.run_id}")
-    if keep:
-        outcome, others = f"kept {run.remote_abs} (keep_remote is true): nothing deleted", []
-    else:
-        outcome, others = s.backend.teardown(run)
-    if terminate and others:  # the box still holds other runs: terminating it would lose them
-        write_stamp(run, "down", outcome=outcome, teardown_waits_for=others)
-        return (f"{run.run_id}: {outcome}; teardown_command not run: the far side still holds "
-                f"{len(others)} other run(s) ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
-                f"it runs with the `down` of the last one")
-    if terminate:
-        return _terminate(s, run, outcome, terminate)
-    write_stamp(run, "down", outcome=outcome)
-    return f"{run.run_id}: {outcome}"
-
-
-def _terminate(s: Session, run: RunPaths, outcome: str, command: str) -> str:
-    """down's last step: the provider's terminate verb, here, once the run dir is gone; a failure says so in one line."""
-    s.backend.close()  # the box may go away now: no channel is left open to it
-    code = _run_here(command)
-    write_stamp(run, "down", outcome=outcome, teardown_command=command, teardown_exit=code)
-    if code != 0:
-        failed = f"did not finish within {TEARDOWN_TIMEOUT_S:g} s" if code is None else f"exited {code}"
-        raise RunError(f"{run.run_id}: {outcome}, but teardown_command {failed}: the box may still be billing: "
-                       f"run it by hand: {command}")
-    return f"{run.run_id}: {outcome}; then ran teardown_command: {command}"
-
-
-def _run_here(command: str) -> int | None:
-    """`command` through /bin/sh on this machine, its output shown as it comes; its exit code (None: timed out)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:  # in this terminal's process group: a Ctrl-C reaches the provider's CLI too
-        return subprocess.run(["/bin/sh", "-c", command], stdin=subprocess.DEVNULL,
-                              timeout=TEARDOWN_TIMEOUT_S).returncode
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _ask(question: str) -> bool:
-    if not sys.stdin.isatty():
-        return False
-    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")

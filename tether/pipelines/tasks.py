@@ -18,7 +18,7 @@ from doit.reporter import ConsoleReporter
 from tether import config as config_mod
 from tether import sweep
 from tether.errors import ConfigError, TetherError
-from tether.pipelines import phases
+from tether.pipelines import phases, teardown
 from tether.pipelines.session import Session, check_variables, flag
 
 DOIT_CONFIG = {
@@ -186,7 +186,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                     uptodate=[done(opener, phases.pulled_done)], task_dep=[f"watch:{label}" if label else "watch"])
 
     def down(opener: Opener, label: str) -> dict:
-        confirm = lambda s: phases.down(s, flag(s.variables, "confirm"))  # noqa: E731
+        confirm = lambda s: teardown.down(s, flag(s.variables, "confirm"))  # noqa: E731
         return dict(actions=[action(opener, confirm)])
 
     def whole(doc: str, phase: Callable, sweep_phase: Callable, **extra: Any) -> Callable[[], dict]:

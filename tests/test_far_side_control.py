@@ -42,6 +42,22 @@ HANGING = SCRIPT.replace(
 assert "--hang-at" in HANGING and "args.hang_at" in HANGING
 
 
+@pytest.fixture(params=["local", "ssh"])
+def job(request, project, tmp_path):
+    """job(steps, restart, sleep=0.05) -> the project whose trainer is SCRIPT: on the local backend, or
+    on the real sshd (its far side in tmp/far); either way its own checkpoint file is mapped."""
+    def make(steps: int, restart: str = "{policy: never}", sleep: float = 0.05):
+        if request.param == "local":
+            use_script(project, steps=steps, sleep=sleep, restart=restart)
+            return project
+        far = ssh_script_job(project, request.getfixturevalue("sshd"), tmp_path / "far", steps=steps, sleep=sleep)
+        path = far.root / "tether.yaml"
+        path.write_text(path.read_text().replace("restart: {policy: never}", f"restart: {restart}"))
+        assert f"restart: {restart}" in path.read_text()
+        return far
+    return make
+
+
 def add_config(project, text: str) -> None:
     path = project.root / "tether.yaml"
     path.write_text(path.read_text() + text)
@@ -92,32 +108,30 @@ def assert_finished_by_the_far_side(project, run_id: str, steps: int = 60) -> No
     assert pulled_weights(project, run_id) == expected_weights(steps)  # as if never interrupted
 
 
-def test_a_preempted_trainer_is_restarted_by_the_far_side_with_the_laptop_closed(project):
-    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
+RESTARTS = "{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}"
+
+
+def test_a_preempted_trainer_is_restarted_by_the_far_side_with_the_laptop_closed(job):
+    project = job(steps=60, restart=RESTARTS)
     run_id = preempt_with_nobody_watching(project)
     assert_finished_by_the_far_side(project, run_id)
 
 
-def test_over_ssh_a_preempted_trainer_is_restarted_by_the_far_side_with_the_laptop_closed(project, sshd, tmp_path):
-    far = ssh_script_job(project, sshd, tmp_path / "far", steps=60)
-    text = (far.root / "tether.yaml").read_text().replace("restart: {policy: never}",
-                                                          "restart: {policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
-    (far.root / "tether.yaml").write_text(text)
-    run_id = preempt_with_nobody_watching(far)
-    assert_finished_by_the_far_side(far, run_id)
-
-
-def stalling_job(project, backoff_s: float, **config: str) -> None:
-    (project.root / "script").mkdir(exist_ok=True)
-    use_script(project, steps=30, restart=f"{{policy: on-preempt, max_restarts: 2, backoff_s: {backoff_s}}}")
+def stalling(project, stall_s: float) -> None:
+    """The job's script hangs at step 12 of its first attempt; the job says stall_timeout_s."""
     (project.root / "script" / "train.py").write_text(HANGING)
     path = project.root / "tether.yaml"
-    path.write_text(path.read_text().replace("--steps 30", "--steps 30 --hang-at 12")
-                    + "stall_timeout_s: 2\nvalidation: {acknowledge: [stall_timeout_s below 10 s]}\n")
+    text = path.read_text().replace("--steps 30", "--steps 30 --hang-at 12")
+    assert "--hang-at 12" in text, text
+    ack = "stall_timeout_s below 10 s"
+    text = text.replace("  acknowledge: [", f"  acknowledge: [{ack}, ") if "  acknowledge: [" in text \
+        else text + f"validation: {{acknowledge: [{ack}]}}\n"
+    path.write_text(text + f"stall_timeout_s: {stall_s:g}\n")
 
 
-def test_a_stalled_trainer_is_declared_stalled_and_restarted_and_status_says_so(project):
-    stalling_job(project, backoff_s=3)
+def test_a_stalled_trainer_is_declared_stalled_and_restarted_and_status_says_so(job):
+    project = job(steps=30, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 3}")
+    stalling(project, 2)
     project.doit("run", "launch", check=True)
     run_id = project.run_ids()[0]
     project.wait_for(lambda: (far_state(project, run_id).get("plan") or {}).get("after") == "stalled", timeout=60,
@@ -143,8 +157,8 @@ def test_a_stalled_trainer_is_declared_stalled_and_restarted_and_status_says_so(
     assert pulled_weights(project, run_id) == expected_weights(30)
 
 
-def test_max_wall_seconds_ends_a_run_with_nobody_watching(project):
-    use_script(project, steps=2000, sleep=0.05, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
+def test_max_wall_seconds_ends_a_run_with_nobody_watching(job):
+    project = job(steps=2000, restart=RESTARTS)
     add_config(project, "max_wall_seconds: 3\n")
     project.doit("run", "launch", check=True)
     run_id = project.run_ids()[0]
@@ -159,8 +173,8 @@ def test_max_wall_seconds_ends_a_run_with_nobody_watching(project):
     assert (project.local_run(run_id) / "files" / "checkpoints" / "ckpt.json").is_file()
 
 
-def test_a_stop_during_the_backoff_ends_the_run_and_no_attempt_follows(project):
-    use_script(project, steps=60, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 60}")
+def test_a_stop_during_the_backoff_ends_the_run_and_no_attempt_follows(job):
+    project = job(steps=60, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 60}")
     project.doit("run", "launch", check=True)
     run_id = project.run_ids()[0]
     project.wait_for(lambda: printed_step(project, run_id) >= 12, what="step 12")
@@ -190,14 +204,14 @@ def secret_in_any_command_line(secret: str) -> list[str]:
     return found
 
 
-def test_notifications_reach_a_webhook_once_each_with_the_secret_from_a_0600_file(project, tmp_path):
+def test_notifications_reach_a_webhook_once_each_with_the_secret_from_a_0600_file(job, tmp_path):
     secret = "Bearer s3cr3t-" + os.urandom(6).hex()
     token = tmp_path / "hook-token"
     token.write_text(secret + "\n")
     token.chmod(0o600)
     hook = Hook()
     try:
-        use_script(project, steps=40, restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
+        project = job(steps=40, restart=RESTARTS)
         add_config(project, f"notify:\n  webhook: {hook.url}\n  headers: {{Authorization: {{file: {token}}}}}\n")
         run_id = preempt_with_nobody_watching(project, steps=40)
         assert secret_in_any_command_line(secret) == []  # never on a command line, not even while sending
@@ -218,7 +232,7 @@ def test_notifications_reach_a_webhook_once_each_with_the_secret_from_a_0600_fil
 
 
 def test_a_dead_webhook_never_fails_a_run(project, dead_url):
-    use_script(project, steps=20)
+    use_script(project, steps=20)  # local only: the retries take their 15 s whatever the transport
     add_config(project, f"notify:\n  webhook: {dead_url}\n  command: echo \"$TETHER_NOTIFY_EVENT\" >> ../../notes\n")
     done = project.doit("run", "train", timeout=180)
     assert done.returncode == 0, out(done)
@@ -257,8 +271,8 @@ def assert_the_box_stops_once_after_the_run_idles(project, run_id: str, marker: 
     assert project.doit("pull", "verify", check=True).returncode == 0  # the sealed files are untouched
 
 
-def test_idle_stop_runs_once_after_the_sealed_run_idles(project, tmp_path):
-    use_script(project, steps=20)
+def test_idle_stop_runs_once_after_the_sealed_run_idles(job, tmp_path):
+    project = job(steps=20)
     marker = tmp_path / "box-stopped"
     (project.root / "tether.yaml").write_text(with_idle_stop((project.root / "tether.yaml").read_text(), marker))
     done = project.doit("run", "train", timeout=180)
@@ -266,27 +280,12 @@ def test_idle_stop_runs_once_after_the_sealed_run_idles(project, tmp_path):
     assert_the_box_stops_once_after_the_run_idles(project, project.run_ids()[0], marker)
 
 
-def test_over_ssh_idle_stop_runs_once_after_the_sealed_run_idles(project, sshd, tmp_path):
-    far = ssh_script_job(project, sshd, tmp_path / "far", steps=20)
-    marker = tmp_path / "box-stopped"
-    (far.root / "tether.yaml").write_text(with_idle_stop((far.root / "tether.yaml").read_text(), marker))
-    done = far.doit("run", "train", timeout=180)
-    assert done.returncode == 0, out(done)
-    assert_the_box_stops_once_after_the_run_idles(far, far.run_ids()[0], marker)
-
-
 # ---------------------------------------------------------------- SLURM: the same policy through requeue
 
 
 def test_slurm_a_stalled_job_is_requeued_once_and_resumes(project, cluster, remote):
-    far = slurm_script_job(project, cluster, remote, steps=30,
-                           restart="{policy: on-preempt, max_restarts: 2, backoff_s: 0.5}")
-    (far.root / "script" / "train.py").write_text(HANGING)
-    path = far.root / "tether.yaml"
-    text = path.read_text().replace("--steps 30", "--steps 30 --hang-at 12")
-    text = text.replace("  acknowledge: [", "  acknowledge: [stall_timeout_s below 10 s, ")
-    assert "stall_timeout_s below" in text, text
-    path.write_text(text + "stall_timeout_s: 3\n")
+    far = slurm_script_job(project, cluster, remote, steps=30, restart=RESTARTS)
+    stalling(far, 3)
     done = far.doit("run", "train", timeout=240)
     assert done.returncode == 0, out(done)
     run_id = far.run_ids()[0]

@@ -214,14 +214,14 @@ def test_a_run_that_is_not_final_and_sealed_never_stops_the_box(run_dir, tmp_pat
 def test_the_wait_ends_when_the_run_is_no_longer_ours_or_gone(run_dir, tmp_path):
     marker = tmp_path / "marker"
     waiter = Waiter(run_dir, f"echo x >> {marker}", after_s=600)
-    waiter.polled(2)
+    waiter.polled(1)
     assert record(run_dir) == {"after_s": 600, "waiting_since": record(run_dir)["waiting_since"]}
     waiter.ours = False  # reopened, or a newer launcher took over
     waiter.join()
     assert lines(marker) == [] and "ran_at" not in record(run_dir)
 
     waiter = Waiter(run_dir, f"echo x >> {marker}", after_s=600)
-    waiter.polled(2)
+    waiter.polled(1)
     shutil.rmtree(run_dir)  # `down` removed it
     waiter.join()
     assert lines(marker) == [] and not run_dir.exists()  # and the wait wrote nothing back

@@ -135,11 +135,12 @@ def assert_objects_whole(far: Path) -> None:
 
 
 def tree(root: Path) -> dict[str, tuple]:
-    """Every path under `root` with its type, size and mtime (doit's database and Python's caches left out)."""
+    """Every path under `root` with its type, size and mtime (doit's database, Python's caches and a far run
+    dir's `read_at`, which every request that reads the run touches (tether/remote/idle.py), left out)."""
     found = {}
     for path in root.rglob("*"):
         rel = str(path.relative_to(root))
-        if path.name.startswith("doit.db") or "__pycache__" in path.parts:
+        if path.name.startswith("doit.db") or "__pycache__" in path.parts or path.name == "read_at":
             continue
         st = path.lstat()
         found[rel] = (stat.S_IFMT(st.st_mode), st.st_size if path.is_file() else 0,

@@ -45,6 +45,7 @@ from tether.remote.supervise import group_members, killpg  # noqa: E402
 from tether.remote.watchdog import output_age_s  # noqa: E402
 
 ALREADY_RUNNING_EXIT, VERSION_DIR = controller.ALREADY_RUNNING_EXIT, controller.VERSION_DIR
+LAUNCHER_EXIT_S = 5.0  # how long `stop` waits for a launcher to exit once its run has ended
 
 
 def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:
@@ -172,7 +173,16 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
                 "error": "processes survived SIGKILL: %s" % survivors}
     if not is_final(read_json(run_file(run_dir, "state.json")) or {}):
         stopped_without_launcher(run_dir)
+    _let_exit(pid, run_dir, LAUNCHER_EXIT_S)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
+
+
+def _let_exit(pid: int, run_dir: str, seconds: float) -> None:
+    """Give a launcher that has released the run's lock a moment to exit (its last notifications, or an
+    idle stop's wait, may keep it longer: it is no process of the run any more)."""
+    deadline = time.time() + seconds
+    while pid and _is_our_launcher(pid, run_dir) and time.time() < deadline:
+        time.sleep(0.02)
 
 
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:

@@ -91,6 +91,8 @@ def assert_finished_by_the_far_side(project, run_id: str, steps: int = 60) -> No
     assert (first["status"], first["signal_to"], first["final"]) == ("preempted", "trainer", False), first
     assert (second["status"], second["final"]) == ("completed", True), second
     assert launches(project, run_id) == 2  # one launch per attempt
+    relaunch = [e for e in project.events(run_id) if e.get("event") == "launch"][1]
+    assert relaunch["t"] - first["t"] < 0.5 + 10, (first, relaunch)  # backoff_s, then "within seconds"
     planned = [e for e in project.events(run_id) if e.get("event") == "restart_planned"]
     assert [(p["attempt"], p["of"], p["after"]) for p in planned] == [(2, 3, "preempted")], planned
     state = far_state(project, run_id)
@@ -234,16 +236,16 @@ def test_notifications_reach_a_webhook_once_each_with_the_secret_from_a_0600_fil
 def test_a_dead_webhook_never_fails_a_run(project, dead_url):
     use_script(project, steps=20)  # local only: the retries take their 15 s whatever the transport
     add_config(project, f"notify:\n  webhook: {dead_url}\n  command: echo \"$TETHER_NOTIFY_EVENT\" >> ../../notes\n")
-    done = project.doit("run", "train", timeout=180)
+    done = project.doit("run", "train", timeout=180)  # while the far side still retries the webhook
     assert done.returncode == 0, out(done)
     run_id = project.run_ids()[0]
     assert far_state(project, run_id)["status"] == "completed"
-    project.wait_for(lambda: len(notify.notified(str(project.remote_run(run_id)))) == 2, timeout=60,
-                     what="both outcomes recorded")
+    assert (project.local_run(run_id) / "PULL_VERIFIED.json").is_file()
+    project.wait_for(lambda: notify.notified(str(project.remote_run(run_id))), timeout=30, what="the command's outcome")
     records = {r["to"]: r for r in notify.notified(str(project.remote_run(run_id)))}
-    assert records["webhook"]["ok"] is False and "refused" in records["webhook"]["error"].lower(), records
-    assert records["command"]["ok"] is True, records
+    assert records["command"]["ok"] is True and not records.get("webhook", {}).get("ok"), records
     assert (project.remote_run(run_id).parent.parent / "notes").read_text() == "completed\n"
+    # (the webhook's own record, after its retries, is tests/test_notify.py's: a dead one is recorded ok false)
 
 
 # ---------------------------------------------------------------- the rented box's idle stop, from the launcher

@@ -12,7 +12,6 @@ in a real project, interactively too (a pseudo-terminal answers the question).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import pty
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, REPO, Project, config_text
+from conftest import DEMO, REPO, Project
 from helpers import alive, poll, sha256, stop_leftover_runs
 from tether import config
 from tether.errors import ConfigError
@@ -213,14 +212,16 @@ def test_a_run_that_is_not_final_and_sealed_never_stops_the_box(run_dir, tmp_pat
 
 def test_the_wait_ends_when_the_run_is_no_longer_ours_or_gone(run_dir, tmp_path):
     marker = tmp_path / "marker"
-    waiter = Waiter(run_dir, f"echo x >> {marker}", after_s=600)
+    mark_read(run_dir)  # the idle clock starts now: 8 s, far beyond each wait below (a poll is 2 s)
+    waiter = Waiter(run_dir, f"echo x >> {marker}", after_s=8)
     waiter.polled(1)
-    assert record(run_dir) == {"after_s": 600, "waiting_since": record(run_dir)["waiting_since"]}
+    assert record(run_dir) == {"after_s": 8, "waiting_since": record(run_dir)["waiting_since"]}
     waiter.ours = False  # reopened, or a newer launcher took over
     waiter.join()
     assert lines(marker) == [] and "ran_at" not in record(run_dir)
 
-    waiter = Waiter(run_dir, f"echo x >> {marker}", after_s=600)
+    mark_read(run_dir)
+    waiter = Waiter(run_dir, f"echo x >> {marker}", after_s=8)
     waiter.polled(1)
     shutil.rmtree(run_dir)  # `down` removed it
     waiter.join()

@@ -213,7 +213,7 @@ def test_authorization_from_a_0600_file_never_reaches_a_command_line(run_dir, tm
     assert on_any_command_line(token) == []
     assert token not in Path(run_dir, "notify.json").read_text()
     assert token not in out.read_text()  # the payload names no secret
-    assert [(r["to"], r["ok"]) for r in records(run_dir)] == [("webhook", True), ("command", True)]
+    assert [(r["to"], r["ok"]) for r in records(run_dir)] == [("command", True), ("webhook", True)]  # the command first
 
 
 @pytest.mark.parametrize("where", ["webhook", "header"])

@@ -367,17 +367,17 @@ class Notifier:
         body = payload(self.run_dir, job["kind"], job["state"], job["t"])
         job["id"] = body["id"]
         data = json.dumps(body, sort_keys=True).encode()
-        if "webhook" in self.targets:
-            error = self._webhook(job, data)
-            with self._busy:
-                self._outcome(job, "webhook", error is None, error)
-        if "command" in self.targets:
+        if "command" in self.targets:  # first: on this machine, it never waits behind a webhook's retries
             env = dict(os.environ, TETHER_NOTIFY_EVENT=job["kind"], TETHER_RUN_ID=body["run_id"],
                        TETHER_RUN_DIR=os.path.abspath(self.run_dir))
             job["tries"]["command"] = 1
             error = run_command(self.settings["command"], data, env, self.run_dir)
             with self._busy:
                 self._outcome(job, "command", error is None, error)
+        if "webhook" in self.targets:
+            error = self._webhook(job, data)
+            with self._busy:
+                self._outcome(job, "webhook", error is None, error)
 
     def _webhook(self, job: Dict[str, Any], data: bytes) -> Optional[str]:
         """POST with retries (backoff doubling from backoff_s); None when delivered, else the last error."""

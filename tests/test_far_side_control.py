@@ -264,8 +264,10 @@ def with_idle_stop(text: str, marker: Path) -> str:
 
 def assert_the_box_stops_once_after_the_run_idles(project, run_id: str, marker: Path) -> None:
     assert not marker.exists()  # the run went, then was pulled: never stopped meanwhile
-    project.wait_for(lambda: marker.exists(), timeout=30, what="the idle stop")
-    idle = json.loads((project.remote_run(run_id) / "idle.json").read_text())
+    record = project.remote_run(run_id) / "idle.json"
+    project.wait_for(lambda: marker.exists() and json.loads(record.read_text()).get("exit_code") is not None,
+                     timeout=30, what="the idle stop, and its outcome recorded")
+    idle = json.loads(record.read_text())
     assert idle["exit_code"] == 0 and idle["ran_at"] >= far_state(project, run_id)["ended_at"] + 2, idle
     status = project.doit("status", check=True)
     assert re.search(r"idle stop ran at \d\d:\d\d \(exit code 0\)", status.stdout), status.stdout

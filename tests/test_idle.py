@@ -124,6 +124,25 @@ def record(run_dir: Path) -> dict:
     return json.loads((run_dir / "idle.json").read_text())
 
 
+class HeldRead:
+    """One request reading `run_dir` (idle.reading, as serve wraps it), held open in a thread until `end()`."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.holding, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(str(run_dir),), daemon=True)
+        self.thread.start()
+        assert self.holding.wait(30), "the read never started"
+
+    def _read(self, run_dir: str) -> None:
+        with idle.reading(run_dir):
+            self.holding.set()
+            self.release.wait(60)
+
+    def end(self) -> None:
+        self.release.set()
+        self.thread.join(30)
+
+
 def mark_read(run_dir: Path) -> float:
     """One read through idle.reading (as serve does it); the time it ended."""
     with idle.reading(str(run_dir)):
@@ -165,16 +184,7 @@ def test_an_idle_sealed_run_stops_the_box_once(run_dir, tmp_path):
 def test_a_request_reading_the_run_holds_the_stop_off(run_dir, tmp_path):
     marker = tmp_path / "marker"
     mark_read(run_dir)
-    holding, release = threading.Event(), threading.Event()
-
-    def reader() -> None:
-        with idle.reading(str(run_dir)):
-            holding.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
-    assert holding.wait(30)
+    read = HeldRead(run_dir)
     waiter = Waiter(run_dir, f"echo x >> {marker}")
     # past after_s since the last finished read, while this request still reads: polled, refused
     poll(lambda: time.time() - (run_dir / "read_at").stat().st_mtime > 3 * AFTER_S, timeout=30, what="3 x after_s")
@@ -183,8 +193,7 @@ def test_a_request_reading_the_run_holds_the_stop_off(run_dir, tmp_path):
     assert record(run_dir)["waiting_since"] > 0
 
     released = time.time()
-    release.set()
-    thread.join(30)
+    read.end()
     ended = (run_dir / "read_at").stat().st_mtime
     assert ended >= released - 0.01, (ended, released)  # touched as the read ended, not as it began
     waiter.join()
@@ -248,20 +257,10 @@ def test_another_run_of_the_box_alive_or_being_read_holds_the_stop_off(run_dir, 
     assert lines(marker) == []
     os.close(fd)  # it ended
 
-    holding, release = threading.Event(), threading.Event()
-
-    def reader() -> None:
-        with idle.reading(str(other)):
-            holding.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
-    assert holding.wait(30)
+    read = HeldRead(other)
     waiter.polled(5)  # the other run is being pulled: still no stop
     assert lines(marker) == []
-    release.set()
-    thread.join(30)
+    read.end()
     ended = (other / "read_at").stat().st_mtime
     waiter.join()
     assert lines(marker) == ["x"]

@@ -165,7 +165,7 @@ def test_each_kind_is_delivered_once_with_the_run_in_its_payload(hook, run_dir):
     assert [(r["event"], r["ok"], r["tries"], r["error"], r["to"]) for r in outcomes] == \
         [(kind, True, 1, None, "webhook") for kind in ("completed", "failed", "preempted")]
     assert stat.S_IMODE(os.stat(Path(run_dir, "notify.json")).st_mode) == 0o600
-    assert is_private("notify.json") and is_private(".notify.json.tmp-123")
+    assert is_private("notify.json") and is_private("notify.json.tmp-123")
     assert {name: Path(run_dir, name).read_bytes() for name in sealed} == sealed  # the sealed files untouched
     assert sorted(os.listdir(run_dir)) == ["events.jsonl", "notify.json", "run.json", "state.json"]  # no tmp left
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from tether.remote import endings, idle, notify, objects, progress, resume as resuming
 from tether.remote import mapped as own_checkpoints
@@ -29,7 +29,8 @@ from tether.remote.fileio import read_json
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
 from tether.remote.runtime import latest_checkpoint
 from tether.remote.supervise import Heartbeat, Supervisor, end_group, killpg
-from tether.remote.watchdog import STALLED, WALL, Watchdog
+from tether.remote.protocol import FAILED, PREEMPTED, STALLED
+from tether.remote.watchdog import WALL, Watchdog
 from tether.remote.workdir import work_dir
 
 ALREADY_RUNNING_EXIT = 3
@@ -39,7 +40,7 @@ VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 POLL_S = 0.5  # how often an attempt's limits are checked
 BACKOFF_MAX_S = 600.0  # the longest wait before a restart
 NOTIFY_DRAIN_S = 30.0  # how long the launcher waits for its last notifications before it exits
-ENDINGS = ("preempted", STALLED, "failed")  # a previous attempt's end that a next attempt restarts from
+ENDINGS = (PREEMPTED, STALLED, FAILED)  # a previous attempt's end that a next attempt restarts from
 
 
 def run(run_dir: str) -> int:
@@ -79,7 +80,7 @@ class Controller:
         self.notifier = notify.Notifier(run_dir, self.controls.get("notify"))
         supervisor.grace_s = float(spec.get("grace_seconds", 30))
 
-    def attempts(self, state: Dict[str, Any]) -> "tuple[int, Dict[str, Any]]":
+    def attempts(self, state: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
         """Attempt after attempt until one is final or the next is not this launcher's to start."""
         while True:
             state = self.attempt(state)
@@ -148,7 +149,7 @@ class Controller:
         self._notify_end(state)
         return state
 
-    def _wait(self, child: "subprocess.Popen[bytes]", dog: Watchdog) -> "tuple[int, Optional[Dict[str, Any]]]":
+    def _wait(self, child: "subprocess.Popen[bytes]", dog: Watchdog) -> Tuple[int, Optional[Dict[str, Any]]]:
         """The trainer's exit code, checking the limits every poll; the limit that ended it, if one did."""
         while True:
             try:
@@ -246,7 +247,7 @@ def _previous(state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def _launcher_failed(run_dir: str, err: Exception, supervisor: Supervisor,
-                     control: Optional[Controller]) -> "tuple[int, Dict[str, Any]]":
+                     control: Optional[Controller]) -> Tuple[int, Dict[str, Any]]:
     """Record the launcher's own failure (state, event), end the trainer, seal what exists; its exit code."""
     traceback.print_exc()  # into launcher.log (a SLURM job's output): the bug report needs it
     error = "%s: %s" % (type(err).__name__, err)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import signal
 import subprocess
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from tether.remote import shell
 from tether.remote.fileio import read_json
 from tether.remote.rundir import is_alive, is_final, now, run_file, write_private
 
@@ -197,16 +197,10 @@ def _run(run_dir: str, command: str, timeout_s: float) -> Dict[str, Any]:
         with open(run_file(run_dir, "launcher.log"), "ab") as log:
             log.write(("%s idle stop: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), command)).encode())
             log.flush()
-            child = subprocess.Popen(["/bin/sh", "-c", command], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            code, _ = shell.run(command, run_dir, env, timeout_s, stdout=log, stderr=subprocess.STDOUT)
     except OSError as err:
         return {"error": "the stop command could not start: %s" % err}
-    try:
-        code = child.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(child.pid, signal.SIGKILL)  # its own session: the whole group, not only /bin/sh
-        child.wait()
+    if code is None:
         return {"error": "the stop command did not finish within %g s and was killed: the box may still be "
                          "running; stop it by hand" % timeout_s}
     if code != 0:

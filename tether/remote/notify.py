@@ -13,10 +13,8 @@ import json
 import os
 import queue
 import re
-import signal
 import socket
 import stat
-import subprocess
 import threading
 import time
 import urllib.error
@@ -24,7 +22,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote.fileio import dump_json, fsync_dir
+from tether.remote import shell
+from tether.remote.rundir import write_private
 
 KINDS = ("completed", "failed", "preempted", "stalled", "restarted", "wall time exceeded", "stopped")
 # Not "stopped" by default: whoever stopped the run knows already.
@@ -219,19 +218,9 @@ def notified(run_dir: str) -> List[Dict[str, Any]]:
 
 
 def _record(run_dir: str, record: Dict[str, Any]) -> None:
-    """Add one outcome to notify.json (owner-only, atomic: tmp, fsync, rename)."""
+    """Add one outcome to notify.json (owner-only, atomic and durable: rundir.write_private)."""
     with _WRITE:
-        records = (notified(run_dir) + [record])[-KEEP_RECORDS:]
-        path = os.path.join(run_dir, NOTIFY_FILE)
-        tmp = os.path.join(run_dir, ".%s.tmp-%d" % (NOTIFY_FILE, os.getpid()))  # rundir.is_private knows it
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(fd, 0o600)  # a stale tmp of another mode keeps it through O_TRUNC
-            f.write(dump_json(records))
-            f.flush()
-            os.fsync(fd)
-        os.replace(tmp, path)
-        fsync_dir(run_dir)
+        write_private(os.path.join(run_dir, NOTIFY_FILE), (notified(run_dir) + [record])[-KEEP_RECORDS:])
 
 
 # ---------------------------------------------------------------- delivery
@@ -266,24 +255,15 @@ def post(url: str, headers: Dict[str, str], body: bytes) -> Tuple[Optional[str],
 def run_command(command: str, body: bytes, env: Dict[str, str], cwd: str) -> Optional[str]:
     """Run `command` with /bin/sh, `body` on its stdin, in its own session: None when it exits 0, else why."""
     try:
-        child = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
-    except OSError as err:
-        return "could not start /bin/sh: %s" % err
-    try:
-        _, err = child.communicate(body, timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)  # its session's group: the shell and what it started
-        except OSError:
-            pass
-        child.wait()
-        child.stderr.close()
+        code, err = shell.run(command, cwd, env, COMMAND_TIMEOUT_S, stdin=body)
+    except OSError as error:
+        return "could not start /bin/sh: %s" % error
+    if code is None:
         return "timed out after %g s: killed" % COMMAND_TIMEOUT_S
-    if child.returncode == 0:
+    if code == 0:
         return None
     tail = err.decode("utf-8", "replace").strip()[-ERROR_CHARS:]
-    how = ("killed by signal %d" % -child.returncode if child.returncode < 0 else "exited %d" % child.returncode)
+    how = "killed by signal %d" % -code if code < 0 else "exited %d" % code
     return how + (": " + tail if tail else "")
 
 

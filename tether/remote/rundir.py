@@ -78,12 +78,15 @@ def event(run_dir: str, event: str, **fields: Any) -> None:
         os.close(fd)
 
 
-def write_private(path: str, data: Dict[str, Any]) -> None:
-    """Write JSON readable by the owner only (it may hold secrets), atomically."""
+def write_private(path: str, data: Any) -> None:
+    """Write JSON readable by the owner only (it may hold secrets), atomically and durably."""
     tmp = path + ".tmp-%d" % os.getpid()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a stale temporary file of another mode keeps it through O_TRUNC
         json.dump(data, f)
+        f.flush()
+        os.fsync(fd)
     os.replace(tmp, path)
 
 

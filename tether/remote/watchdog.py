@@ -11,10 +11,10 @@ import os
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from tether.remote.protocol import STALLED, STOPPED
 from tether.remote.rundir import run_file
 
-WALL = "wall time exceeded"
-STALLED = "stalled"
+WALL = "wall time exceeded"  # the reason recorded with `stopped`
 
 
 def _mark(path: str) -> Tuple[int, int]:
@@ -42,7 +42,6 @@ class Watchdog:
     def __init__(self, run_dir: str, controls: Dict[str, Any], wall_since: float) -> None:
         wall = controls.get("max_wall_seconds")
         self.deadline = wall_since + float(wall) if wall else None
-        self.wall_s = wall
         self.stall_s = float(controls["stall_timeout_s"]) if controls.get("stall_timeout_s") else None
         self.files = [run_file(run_dir, name) for name in ("train.log", "events.jsonl")]
         self.marks = [_mark(path) for path in self.files]
@@ -58,7 +57,7 @@ class Watchdog:
         if marks != self.marks:
             self.marks, self.alive_at = marks, now
         if self.deadline is not None and now >= self.deadline:
-            self.verdict = {"status": "stopped", "reason": WALL}
+            self.verdict = {"status": STOPPED, "reason": WALL}
         elif self.stall_s is not None and now - self.alive_at >= self.stall_s:
             self.verdict = {"status": STALLED,
                             "reason": "no output and no event for %.0f s (stall_timeout_s)" % self.stall_s}

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+from tether.environment import Environment
 from tether.errors import ConfigError
 from tether.remote.notify import DEFAULT_ON, KINDS
 from tether.yamlfile import parse_yaml
@@ -102,6 +103,7 @@ class Job:
                                                                            "must be positive, or null (never)"))
     grace_seconds: float = field(default=30.0, metadata=_check(lambda v: v >= 0, "must be 0 or more"))
     notify: Notify = Notify()
+    environment: Environment = Environment()  # the far side's venv and setup lines (tether.environment)
     validation: Validation = Validation()
     sweep: dict = field(default_factory=dict)  # setting -> list of values (tether.sweep)
     source: str = ""  # the YAML file this came from
@@ -309,6 +311,9 @@ def load(path: str, backend: Optional[str] = None, files: bool = True) -> Job:
     job = build(Job, document, problems, "the job", skip=("trainer", "backends"))
     if job is not None and isinstance(document.get("notify"), dict):
         _check_notify(job.notify, document["notify"], problems)
+    if job is not None and isinstance(document.get("environment"), dict):
+        for message in job.environment.problems(os.path.dirname(os.path.abspath(path))):
+            problems.error(_key_at(problems, document["environment"], message.split(".", 1)[-1]), message)
     chosen = backend or (job.backend if job else "") or (next(iter(backends)) if len(backends) == 1 else "")
     if chosen not in backends and backends:
         source = "backend=%s" % chosen if backend else problems.at(document, "backend")

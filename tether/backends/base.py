@@ -13,13 +13,15 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tether.backends import venv
 from tether.backends.channel import ChannelLost
 from tether.backends.farside import FarSide
 from tether.backends.transport import Transport
 from tether.shipping import launcher_version
 from tether.errors import BackendError
 from tether.paths import RunPaths
-from tether.remote.protocol import LaunchResult, Preflight, Snapshot, StopOutcome
+from tether.environment import Wanted
+from tether.remote.protocol import EnvironmentInfo, LaunchResult, Preflight, Snapshot, StopOutcome
 
 
 DELETING_WORDS = ("terminate", "destroy", "delete", "remove")  # the providers' verbs that take the disk too
@@ -112,8 +114,11 @@ class Backend:
     exit_grace_s = 0.0  # how long a vanished run may take to show its final state (shared storage)
     launches_arrays = False  # True: a sweep's runs are launched together by launch_many
 
-    def __init__(self, name: str, config: Any, state_dir: str) -> None:
+    def __init__(self, name: str, config: Any, state_dir: str, environment: Optional[Wanted] = None) -> None:
         self.name, self.config, self.state_dir = name, config, state_dir
+        # the job's environment: (ssh's deprecated packages: folded in); its venv is found or built once
+        self.environment = venv.merged(environment, tuple(getattr(config, "packages", ())))
+        self._venv: Optional[EnvironmentInfo] = None
         self.version = launcher_version()
         self.transport = self.make_transport()
         self.far = FarSide(self)
@@ -137,8 +142,25 @@ class Backend:
 
     @property
     def python(self) -> str:
-        """The interpreter a run gets (a policy may point it into a venv that `prepare` builds)."""
+        """The interpreter a run gets: the job's venv's (built by `prepare`, or found now), else base_python."""
+        found = self.venv()
+        return found.python if found else self.base_python
+
+    @property
+    def venv_base(self) -> str:
+        """The interpreter the job's venv is built from (SLURM: the compute nodes')."""
         return self.base_python
+
+    @property
+    def install_env(self) -> dict:
+        """The backend's `env:` (mirrors, proxies), for the venv's installer too."""
+        return dict(getattr(self.config, "env", None) or {})
+
+    def venv(self) -> Optional[EnvironmentInfo]:
+        """The job's venv on the far side (None: it asks for none), built there if it is missing."""
+        if self._venv is None and self.environment.venv:
+            self._venv = venv.ensure(self)
+        return self._venv
 
     @property
     def where(self) -> str:
@@ -214,7 +236,8 @@ class Backend:
         return {"remote_dir": self.remote_dir, "gpus": "none", "env": {}, "python": self.python}
 
     def prepare(self) -> None:
-        """Make the far side ready before its preflight (the ssh backend builds its venv here)."""
+        """Make the far side ready before its preflight: the job's venv, built once (tether.backends.venv)."""
+        self._venv = venv.ensure(self)
 
     def check(self, require: tuple[str, ...] = ()) -> Report:
         """Preflight: can a run start here?"""
@@ -231,6 +254,7 @@ class Backend:
         report.add("disk", found.free_mb >= self.min_free_mb,
                    f"{found.free_mb} MB free under {self.remote_dir} (want {self.min_free_mb})")
         report.add("inodes", found.free_inodes >= 1000, f"{found.free_inodes} free inodes")
+        venv.report(self, report)
         self._report(report, found, settings, require)
         return report
 

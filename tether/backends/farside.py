@@ -18,6 +18,7 @@ from tether.errors import BackendError, RemoteCommandError
 from tether.remote.fileio import CHUNK
 from tether.remote.protocol import ChunkWriter
 from tether.remote.protocol import CheckpointInfo, LaunchResult, Preflight, PushResult, Removal, Snapshot, StopOutcome
+from tether.remote.protocol import EnvironmentInfo
 
 if TYPE_CHECKING:
     from tether.backends.base import Backend
@@ -159,6 +160,10 @@ class FarSide:
 
     def check(self, settings: dict) -> Preflight:
         return Preflight.of(self.call("check", settings=settings))
+
+    def environment(self, request: dict) -> EnvironmentInfo:
+        """The job's venv: found, built (build=True) or failed (tether.remote.environment.ensure)."""
+        return EnvironmentInfo.of(self.call("environment", **request))
 
     def have(self, objects_dir: str, hashes: list[str]) -> list[str]:
         return self.call("have", objects_dir=objects_dir, hashes=hashes)

@@ -191,7 +191,7 @@ class Config(Connection):
     mem: Optional[str] = None
     nodes: int = 1
     sbatch_options: tuple[str, ...] = ()
-    prelude: tuple[str, ...] = ()
+    prelude: tuple[str, ...] = ()  # deprecated: the job's environment: {setup: [...]} (these run first)
     poll_interval_s: float = 30.0
     exit_grace_s: float = 60.0
     job_name: str = "tether"  # the job is named <job_name>-<the run id's last 8 characters: its hash>
@@ -236,6 +236,9 @@ class Config(Connection):
         if self.poll_interval_s < 10:
             found.append(f"poll_interval_s {self.poll_interval_s:g} is below 10 s: every poll is an squeue "
                          f"on a shared login node")
+        if self.prelude:
+            found.append("prelude: is deprecated: move the lines to the job's environment: {setup: [...]} "
+                         "(they still run first in job.sh)")
         return found
 
 
@@ -266,30 +269,38 @@ def _sbatch_lines(cfg: Config, name: str, output: str, chdir: str) -> list[str]:
     return [f"#SBATCH {shlex.quote(line)}" for line in lines]
 
 
-def job_script(cfg: Config, run: RunPaths, launcher: str, python: str) -> str:
-    """job.sh: the prelude, then the launcher in the background with `wait`, so signals reach it."""
+def job_script(cfg: Config, run: RunPaths, launcher: str, python: str, setup: tuple[str, ...] = ()) -> str:
+    """job.sh: the setup lines, then the launcher in the background with `wait`, so signals reach it."""
     return _script(cfg, sbatch_lines(cfg, run), [f"run_dir={shlex.quote(run.remote_abs)}", "job_key=$SLURM_JOB_ID"],
-                   launcher, python)
+                   launcher, python, setup)
 
 
-def array_script(cfg: Config, name: str, remote_dir: str, launcher: str, python: str) -> str:
+def array_script(cfg: Config, name: str, remote_dir: str, launcher: str, python: str,
+                 setup: tuple[str, ...] = ()) -> str:
     """One job array for a sweep: element i runs the i-th run dir of the list that `submit-array`
     writes in place of RUNS_LINE on the far side (only the runs that still need a job)."""
     header = _sbatch_lines(cfg, f"{cfg.job_name}-{name}", f"{remote_dir}/slurm/%A_%a.out", remote_dir)
     select = [RUNS_LINE, 'run_dir="${runs[$SLURM_ARRAY_TASK_ID]}"', 'cd "$run_dir" || exit 1',
               'job_key="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # what squeue -r calls this element']
-    return _script(cfg, header, select, launcher, python)
+    return _script(cfg, header, select, launcher, python, setup)
 
 
-def _script(cfg: Config, header: list[str], select: list[str], launcher: str, python: str) -> str:
+def setup_lines(cfg: Config, setup: tuple[str, ...]) -> list[str]:
+    """The job's setup lines in job.sh: the backend's prelude first (its deprecated alias), then the job's
+    environment.setup; TETHER_SETUP_DONE tells the launcher not to run them again around the trainer."""
+    lines = list(cfg.prelude) + list(setup)
+    return ["# setup (prelude, then environment.setup)", *lines, "export TETHER_SETUP_DONE=1"] if lines else []
+
+
+def _script(cfg: Config, header: list[str], select: list[str], launcher: str, python: str,
+            setup: tuple[str, ...] = ()) -> str:
     q = shlex.quote
     multi_node = [
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_PORT=29500 WORLD_SIZE=$SLURM_NNODES NNODES=$SLURM_NNODES",
         'export TETHER_SRUN="srun --nodes=$SLURM_NNODES --ntasks-per-node=1"',
     ] if cfg.nodes > 1 else []
-    return "\n".join(["#!/bin/bash", *header, "", "# prelude (from the config)",
-                      *cfg.prelude, "", *multi_node, *select,
+    return "\n".join(["#!/bin/bash", *header, "", *setup_lines(cfg, setup), "", *multi_node, *select,
                       "child=; early=",
                       "trap 'early=USR1; kill -USR1 $child 2>/dev/null' USR1  # the time-limit warning",
                       "trap 'early=TERM; kill -TERM $child 2>/dev/null' TERM  # scancel, preemption, requeue",
@@ -322,7 +333,18 @@ class Backend(BaseBackend):
 
     @property
     def job_python(self) -> str:
+        """The compute nodes' interpreter: the job's venv's (built from it on the login node), else job_python."""
+        found = self.venv()
+        return found.python if found else self.venv_base
+
+    @property
+    def venv_base(self) -> str:
         return self.config.job_python or self.config.python
+
+    @property
+    def python(self) -> str:
+        """The login node's interpreter: serve and the preflight run there (the job runs job_python)."""
+        return self.base_python
 
     @property
     def poll_interval_s(self) -> float:  # type: ignore[override]
@@ -348,7 +370,8 @@ class Backend(BaseBackend):
                    + (f" (the trainer needs {', '.join(require)})" if require else ""))
 
     def launch(self, run: RunPaths) -> dict:
-        script = job_script(self.config, run, f"{self.version_dir}/tether/remote/launcher.py", self.job_python)
+        script = job_script(self.config, run, f"{self.version_dir}/tether/remote/launcher.py", self.job_python,
+                            self.environment.setup)
         flags = ["--parsable", f"--signal=B:USR1@{self.config.signal_grace_s}", "--requeue",
                  f"--comment=tether:{run.run_id}"]
         settings = dict(self.settings(), script=script, flags=flags)
@@ -362,7 +385,7 @@ class Backend(BaseBackend):
     def launch_many(self, runs: list[RunPaths], name: str) -> dict[str, LaunchResult]:
         """One job array (`--array=0-K%array_limit`) for the runs that need a job; the others are adopted."""
         script = array_script(self.config, name, self.remote_dir, f"{self.version_dir}/tether/remote/launcher.py",
-                              self.job_python)
+                              self.job_python, self.environment.setup)
         flags = ["--parsable", f"--signal=B:USR1@{self.config.signal_grace_s}", "--requeue", f"--comment=tether:{name}"]
         settings = dict(self.settings(), script=script, flags=flags, runs=[r.remote_abs for r in runs],
                         array_limit=self.config.array_limit)

@@ -1,12 +1,12 @@
 """The ssh backend: a machine reached with an ssh key, the launcher a detached process there.
 
 The ssh transport (tether/backends/openssh.py) carries every far-side command and file; this
-policy adds what a plain ssh machine needs: the GPU choice, and a venv built from `packages:`.
+policy adds what a plain ssh machine needs: the GPU choice (the job's venv is built as on every
+backend: tether/backends/venv.py; `packages:` here is its deprecated alias).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 
@@ -21,13 +21,17 @@ class Config(Connection):
 
     gpus: str = "auto"
     min_free_gpu_mb: int = 2000
-    packages: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()  # deprecated: the job's environment: {packages: [...]}
 
     def problems(self) -> list[str]:
         found = super().problems()
         if self.gpus not in ("auto", "none") and not re.fullmatch(r"\d+(,\d+)*", self.gpus):
             found.append(f"gpus {self.gpus!r}: use auto, none, or indices such as \"0,1\"")
         return found
+
+    def warnings(self) -> list[str]:
+        return super().warnings() + (["packages: is deprecated: move the list to the job's environment: "
+                                      "{packages: [...]} (it still works, into the same venv)"] if self.packages else [])
 
 
 class Backend(BaseBackend):
@@ -41,12 +45,6 @@ class Backend(BaseBackend):
         return SSHTransport(self.config, self.state_dir)
 
     @property
-    def python(self) -> str:
-        if self.config.packages:
-            return f"{self.remote_dir}/venv/{self._venv_hash()}/bin/python"
-        return self.base_python
-
-    @property
     def keep_remote(self) -> bool:
         return self.config.keep_remote
 
@@ -56,21 +54,3 @@ class Backend(BaseBackend):
 
     def fetch_policy(self, path: str, size: int) -> str:
         return self.config.fetch_policy(path, size)
-
-    def _venv_hash(self) -> str:
-        spec = "\n".join([self.config.python] + sorted(self.config.packages))
-        return hashlib.sha256(spec.encode()).hexdigest()[:12]
-
-    def prepare(self) -> None:
-        """With `packages:`, a venv under remote_dir (system site packages visible), built once."""
-        if not self.config.packages:
-            return
-        venv = f"{self.remote_dir}/venv/{self._venv_hash()}"
-        try:
-            self.far.cat(f"venv/{self._venv_hash()}/READY")
-            return
-        except FileNotFoundError:
-            pass
-        self.transport.execute([self.config.python, "-m", "venv", "--system-site-packages", venv])
-        self.transport.execute([f"{venv}/bin/python", "-m", "pip", "install", "--quiet", *self.config.packages])
-        self.far.put(f"venv/{self._venv_hash()}/READY", b"\n".join(p.encode() for p in self.config.packages))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
+from tether import environment
 from tether.config import Job, asdict, changed_fields
 from tether.hashing import Entry, HashCache, tree, tree_hash
 from tether.sweep import Point
@@ -49,6 +50,8 @@ def launch_spec(job: Job, point: Optional[Point] = None, resume_from: Optional[d
                 grace_seconds=job.grace_seconds, trainer=asdict(job.trainer), restart=asdict(job.restart))
     if point:
         spec["params"] = point.values
+    if environment.identity(job.environment, job.root):  # a job without the section keeps its run ids
+        spec["environment"] = environment.identity(job.environment, job.root)
     if resume_from:
         spec["resume_from"] = resume_from  # the source run, checkpoint and SHA-256 (tether.pipelines.resuming)
     return spec

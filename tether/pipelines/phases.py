@@ -38,6 +38,8 @@ def write_stamp(run: RunPaths, phase: str, **fields) -> None:
 def up_slice(s: Session) -> str:
     """What `up` depends on: the backend's config and the launcher's version."""
     parts = [s.job.backend, asdict(s.backend.config), s.backend.version]
+    if s.backend.environment.venv:  # a new venv means a new preflight (a job without one keeps its stamp)
+        parts.append(s.backend.environment.request())
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from tether import config as config_mod
-from tether import sweep
+from tether import environment, sweep
 from tether.backends import BACKEND_TYPES
 from tether.backends.base import Backend
 from tether.config import Job, suggest
@@ -74,7 +74,7 @@ def _check_id_variable(name: str, word: str) -> None:
 def open_backend(job: Job, state_dir: str) -> Backend:
     module = BACKEND_TYPES[job.backend_config.type]
     cls = config_mod.load_class(module + ":Backend")
-    return cls(job.backend, job.backend_config, state_dir)
+    return cls(job.backend, job.backend_config, state_dir, environment.wanted(job.environment, job.root))
 
 
 @dataclass

@@ -60,6 +60,7 @@ COMMANDS = {
     "prune": Command("objects", "prune"),
     "submit": Command("scheduler", "submit"),
     "submit_array": Command("scheduler", "submit_array"),
+    "environment": Command("environment", "ensure"),
 }
 
 
@@ -165,6 +166,26 @@ class Preflight:
 
     @classmethod
     def of(cls, found: Dict[str, Any]) -> "Preflight":
+        return cls(**_known(cls, found))
+
+
+@dataclass
+class EnvironmentInfo:
+    """What `environment` found or did: the job's venv (reused, built, absent, failed) or none asked for."""
+
+    outcome: str  # none | reused | built | absent (build=False) | failed
+    python: str = ""  # the interpreter a run gets: the venv's, or (none) the base one
+    venv: str = ""
+    key: str = ""  # SHA-256 of the interpreter, the requirements and the packages
+    installer: str = ""  # uv | pip
+    seconds: Optional[float] = None  # how long the build took
+    error: str = ""  # one line naming the fix (failed)
+    tail: List[str] = field(default_factory=list)  # the installer's last lines (failed)
+    base: Dict[str, Any] = field(default_factory=dict)  # the base interpreter: version, executable, real path
+    interpreter: Optional[Dict[str, Any]] = None  # the run's interpreter, when described: version, torch, cuda
+
+    @classmethod
+    def of(cls, found: Dict[str, Any]) -> "EnvironmentInfo":
         return cls(**_known(cls, found))
 
 

@@ -24,7 +24,7 @@ BASE = config_text(epochs=3)
 
 NO_ARTIFACTS = BASE.replace("artifacts: [model.json, metrics.json]\n", "")
 NO_ARTIFACTS_WARNING = "no artifacts declared"
-JOB_KEYS = ("artifacts, backend, backends, checkpoint, code, data, grace_seconds, heartbeat_timeout_s, "
+JOB_KEYS = ("artifacts, backend, backends, checkpoint, code, data, environment, grace_seconds, heartbeat_timeout_s, "
             "max_wall_seconds, name, notify, restart, stall_timeout_s, sweep, trainer, validation")
 TRAINERS = ", ".join(sorted(TRAINER_TYPES))  # the registry is the one source of truth for the list
 BACKENDS = ", ".join(sorted(BACKEND_TYPES))

@@ -81,6 +81,14 @@ class Shared:
     def warnings(self) -> list[str]:
         return self.idle_stop.warnings() if self.idle_stop is not None else []
 
+    def legacy_packages(self) -> tuple[str, ...]:
+        """Packages this backend's own (deprecated) key adds to the job's venv (ssh: packages:)."""
+        return ()
+
+    def installer_env(self) -> dict:
+        """The environment the venv's installer gets from this backend (over ssh: env:, for mirrors)."""
+        return {}
+
 
 @dataclass
 class Report:
@@ -117,7 +125,7 @@ class Backend:
     def __init__(self, name: str, config: Any, state_dir: str, environment: Optional[Wanted] = None) -> None:
         self.name, self.config, self.state_dir = name, config, state_dir
         # the job's environment: (ssh's deprecated packages: folded in); its venv is found or built once
-        self.environment = venv.merged(environment, tuple(getattr(config, "packages", ())))
+        self.environment = venv.merged(environment, config.legacy_packages())
         self._venv: Optional[EnvironmentInfo] = None
         self.version = launcher_version()
         self.transport = self.make_transport()
@@ -154,7 +162,7 @@ class Backend:
     @property
     def install_env(self) -> dict:
         """The backend's `env:` (mirrors, proxies), for the venv's installer too."""
-        return dict(getattr(self.config, "env", None) or {})
+        return self.config.installer_env()
 
     def venv(self) -> Optional[EnvironmentInfo]:
         """The job's venv on the far side (None: it asks for none), built there if it is missing."""

@@ -76,6 +76,9 @@ class Connection(Shared):
                 found.append(f"env key {key!r} is not a valid environment variable name")
         return found
 
+    def installer_env(self) -> dict:
+        return {str(k): str(v) for k, v in self.env.items()}
+
     def trainer_env(self) -> dict:
         """`env:` plus the thread counts from `num_threads:`: what a run's trainer gets."""
         env = {str(k): str(v) for k, v in self.env.items()}

@@ -33,6 +33,9 @@ class Config(Connection):
         return super().warnings() + (["packages: is deprecated: move the list to the job's environment: "
                                       "{packages: [...]} (it still works, into the same venv)"] if self.packages else [])
 
+    def legacy_packages(self) -> tuple[str, ...]:
+        return self.packages
+
 
 class Backend(BaseBackend):
     """The ssh policy: a detached process on the far machine, over the ssh transport."""

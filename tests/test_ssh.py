@@ -879,10 +879,15 @@ def test_packages_build_one_venv_that_runs_use(project, sshd, far):
     up = project.doit("run", "up", timeout=300)
     assert up.returncode == 0, out(up)
     venvs = sorted((far / "venv").iterdir())
-    assert len(venvs) == 1 and re.fullmatch(r"[0-9a-f]{12}", venvs[0].name), venvs
+    venvs = [v for v in venvs if v.is_dir()]  # beside them: each one's build lock
+    assert len(venvs) == 1 and re.fullmatch(r"[0-9a-f]{16}", venvs[0].name), venvs
     venv = venvs[0]
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
-    assert (venv / "READY").read_text().split() == ["tqdm"]
+    assert json.loads((venv / "READY").read_text())["packages"] == ["tqdm"]
+    from tether.config import load
+
+    warned = load(str(project.root / "tether.yaml")).warnings
+    assert any("packages: is deprecated: move the list to the job's environment" in w for w in warned), warned
     built = {name: (venv / name).stat().st_mtime_ns for name in ("READY", "pyvenv.cfg", "bin/python")}
 
     train = project.doit("run", "train", timeout=300)
@@ -897,7 +902,7 @@ def test_packages_build_one_venv_that_runs_use(project, sshd, far):
     again = project.doit("run", "train", timeout=300)
     assert again.returncode == 0, out(again)
     assert len(project.run_ids()) == 2
-    assert sorted((far / "venv").iterdir()) == [venv]
+    assert [v for v in sorted((far / "venv").iterdir()) if v.is_dir()] == [venv]
     assert {name: (venv / name).stat().st_mtime_ns for name in built} == built
     second = next(r for r in project.run_ids() if r != first)
     seen = json.loads((project.local_run(second) / "files" / "artifacts" / "python.json").read_text())

@@ -68,9 +68,6 @@ class Wanted:
         """Whether a venv is asked for (setup lines alone need none)."""
         return bool(self.requirements.strip() or self.packages)
 
-    def __bool__(self) -> bool:
-        return self.venv or bool(self.setup)
-
     def request(self) -> dict:
         return {"requirements": self.requirements, "requirements_name": self.requirements_name,
                 "packages": list(self.packages)}

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def merged(wanted: Optional[Wanted], legacy_packages: tuple[str, ...]) -> Wanted:
     """The job's environment plus an ssh backend's deprecated `packages:` (in order, once each)."""
-    wanted = wanted or Wanted()
+    wanted = wanted if wanted is not None else Wanted()
     packages = tuple(dict.fromkeys(wanted.packages + tuple(legacy_packages)))
     return Wanted(wanted.requirements, wanted.requirements_name, packages, wanted.setup)
 
@@ -53,8 +53,9 @@ def _what(wanted: Wanted) -> str:
 def report(backend: "Backend", report: "Report") -> None:
     """check's environment line: the run's interpreter (version, path), its torch and CUDA build, the venv."""
     found = _ask(backend, build=False, describe=True, venv=backend.environment.venv)
-    if found.outcome == "failed":
-        report.add("environment", False, found.error)
+    if found.outcome == "failed":  # without a venv to build, only SLURM's job_python can be missing here:
+        report.add("environment", not backend.environment.venv,  # the compute nodes may have it
+                   found.error if backend.environment.venv else f"{found.error} (here; the compute nodes may have it)")
         return
     me = found.interpreter or found.base
     torch = f"torch {me['torch']} (CUDA {me.get('cuda') or 'none: a CPU build'})" if me.get("torch") else "no torch"

@@ -138,6 +138,7 @@ def test_ssh_venv_with_the_backends_env_a_failing_requirement_in_one_line_then_f
     line = ("environment: pip could not install nonexistent-pkg==9 (ERROR: No matching distribution found for "
             "nonexistent-pkg==9): fix requirements.txt")
     assert line in failed.stderr and "Traceback" not in failed.stderr, out(failed)
+    assert "    ERROR: Could not find a version that satisfies the requirement nonexistent-pkg==9" in failed.stdout
     assert venvs(far) == {} and not [p for p in (far / "venv").iterdir() if p.is_dir()]  # nothing half-built
 
     # fixed: the venv is built with the backend's env:, and a failing setup line fails the attempt in train.log
@@ -158,6 +159,23 @@ def test_ssh_venv_with_the_backends_env_a_failing_requirement_in_one_line_then_f
     assert good.returncode == 0 and "environment: build" not in good.stdout, out(good)
     run2 = next(r for r in project.run_ids() if r != run1)
     assert pulled_env(project, run2) == {"prefix": str(far / "venv" / name), "tinypkg": "1.0", "greeting": "over-ssh"}
+
+
+def test_check_names_the_interpreter_its_torch_and_that_no_venv_is_asked_for(tmp_path):
+    from importlib.metadata import version
+
+    from tether.backends.local import Backend, Config
+
+    backend = Backend("local", Config(remote_dir=str(tmp_path / "remote")), str(tmp_path / ".tether"))
+    try:
+        [item] = [i for i in backend.check().items if i["check"] == "environment"]
+    finally:
+        backend.close()
+    assert item["ok"], item  # torch's version and CUDA build read without importing it (seconds, a CUDA init)
+    cuda = "none: a CPU build" if version("torch").endswith("+cpu") else ""
+    assert item["detail"].startswith(f"Python {sys.version.split()[0]} ({sys.executable}); torch {version('torch')} "
+                                     f"(CUDA {cuda}"), item
+    assert item["detail"].endswith("; no venv (no environment: section)"), item
 
 
 # ---------------------------------------------------------------- the far side's module, directly

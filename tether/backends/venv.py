@@ -36,8 +36,9 @@ def ensure(backend: "Backend") -> Optional[EnvironmentInfo]:
               f"on {backend.where} (once; this can take minutes)", flush=True)
         found = _ask(backend, build=True)
     if found.outcome == "failed":
-        raise BackendError(found.error + (f" (its last line: {found.tail[-1].strip()})" if found.tail and
-                                          found.tail[-1].strip() not in found.error else ""))
+        if found.tail:  # the installer's own words, above the one line that names the fix
+            print("environment: the installer's last lines:\n" + "\n".join("    " + line for line in found.tail))
+        raise BackendError(found.error)
     if found.outcome == "built":
         print(f"environment: built {found.venv} in {found.seconds:g} s ({found.installer})", flush=True)
     return found

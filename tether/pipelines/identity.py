@@ -50,8 +50,8 @@ def launch_spec(job: Job, point: Optional[Point] = None, resume_from: Optional[d
                 grace_seconds=job.grace_seconds, trainer=asdict(job.trainer), restart=asdict(job.restart))
     if point:
         spec["params"] = point.values
-    if environment.identity(job.environment, job.root):  # a job without the section keeps its run ids
-        spec["environment"] = environment.identity(job.environment, job.root)
+    if (env := environment.identity(job.environment, job.root)) is not None:  # none: older run ids stay
+        spec["environment"] = env
     if resume_from:
         spec["resume_from"] = resume_from  # the source run, checkpoint and SHA-256 (tether.pipelines.resuming)
     return spec

@@ -21,14 +21,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import config_text
-from tether import config as config_mod
-from tether.backends.slurm import Config as SlurmConfig
-from tether.backends.slurm import job_script
-from tether.errors import ConfigError
-from tether.paths import RunPaths
-from tether.pipelines.identity import launch_spec
-from tether.remote import environment
+pytest_plugins = ["slurm_fixtures"]  # the session's one cluster, shared with test_slurm.py
+
+from conftest import config_text  # noqa: E402
+from slurm_fixtures import new_remote_dir, remove_remote_dir, slurm_yaml  # noqa: E402
+from tether import config as config_mod  # noqa: E402
+from tether.backends.local import Backend, Config  # noqa: E402
+from tether.backends.slurm import Config as SlurmConfig  # noqa: E402
+from tether.backends.slurm import job_script  # noqa: E402
+from tether.environment import Wanted  # noqa: E402
+from tether.errors import ConfigError  # noqa: E402
+from tether.paths import RunPaths  # noqa: E402
+from tether.pipelines.identity import launch_spec  # noqa: E402
+from tether.remote import environment  # noqa: E402
 
 SCRIPT = """\
 import json, os, sys
@@ -150,11 +155,7 @@ def test_ssh_venv_with_the_backends_env_a_failing_requirement_in_one_line_then_f
     assert "tether: setup line failed (exit 1): false" in log and "trained" not in log, log
 
     project.write_config(environment_job(json.dumps(backend), "lab", setup='["export GREETING=over-ssh"]'))
-    check = project.doit("check", timeout=300)
-    assert check.returncode == 0, out(check)
     [name] = venvs(far)
-    assert f"venv {far / 'venv' / name} (built, reused by every run)" in check.stdout, out(check)
-    assert f"Python {sys.version.split()[0]} ({far / 'venv' / name / 'bin' / 'python'}); torch " in check.stdout
     good = project.doit("run", "train", timeout=300)
     assert good.returncode == 0 and "environment: build" not in good.stdout, out(good)
     run2 = next(r for r in project.run_ids() if r != run1)
@@ -163,8 +164,6 @@ def test_ssh_venv_with_the_backends_env_a_failing_requirement_in_one_line_then_f
 
 def test_check_names_the_interpreter_its_torch_and_that_no_venv_is_asked_for(tmp_path):
     from importlib.metadata import version
-
-    from tether.backends.local import Backend, Config
 
     backend = Backend("local", Config(remote_dir=str(tmp_path / "remote")), str(tmp_path / ".tether"))
     try:
@@ -178,6 +177,30 @@ def test_check_names_the_interpreter_its_torch_and_that_no_venv_is_asked_for(tmp
     assert item["detail"].endswith("; no venv (no environment: section)"), item
 
 
+@pytest.fixture
+def slurm_remote(cluster):
+    folder = new_remote_dir()
+    yield folder
+    remove_remote_dir(cluster, folder)
+
+
+def test_slurm_job_runs_in_the_venv_built_on_the_login_node_after_prelude_and_setup(project, cluster, slurm_remote,
+                                                                                    tmp_path):
+    tiny_wheel(tmp_path / "wheels")
+    (project.root / "demo" / "use.py").write_text(SCRIPT)
+    text = slurm_yaml(cluster, slurm_remote, "{python} demo/use.py", code="demo/use.py", artifacts="env.json",
+                      env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "wheels")},
+                      prelude=["export GREETING=prelude"])
+    text = text.replace('acknowledge: ["', 'acknowledge: ["prelude: is deprecated", "')
+    project.write_config(text + "environment:\n  packages: [tinypkg]\n  setup: ['export GREETING=$GREETING+setup']\n")
+    done = project.doit("run", "train", timeout=300)
+    assert done.returncode == 0 and "environment: built" in done.stdout, out(done)
+    [name] = venvs(slurm_remote)
+    [run_id] = project.run_ids()
+    assert pulled_env(project, run_id) == {"prefix": str(slurm_remote / "venv" / name), "tinypkg": "1.0",
+                                           "greeting": "prelude+setup"}  # in job.sh, once each, in that order
+
+
 # ---------------------------------------------------------------- the far side's module, directly
 
 
@@ -186,7 +209,7 @@ def _ensure(remote: str, wheels: str) -> dict:
     return environment.ensure(remote, sys.executable, "tinypkg==1.0\n", "requirements.txt", (), env)
 
 
-def test_two_runs_starting_together_build_once_and_a_half_built_venv_is_never_trusted(tmp_path):
+def test_runs_starting_together_build_once_a_half_built_venv_is_never_trusted_and_check_names_it(tmp_path):
     tiny_wheel(tmp_path / "wheels")
     remote = tmp_path / "remote"
     key = environment.venv_key(environment.probe(sys.executable), "tinypkg==1.0\n", ())
@@ -194,6 +217,7 @@ def test_two_runs_starting_together_build_once_and_a_half_built_venv_is_never_tr
     (half / "bin").mkdir(parents=True)
     (half / "bin" / "python").symlink_to(sys.executable)  # a build killed before its READY marker
     (half / "left-by-a-killed-build").write_text("")
+    (remote / ".tether-remote").write_text("")  # tether's folder (serve claims it before any request)
     assert environment.ensure(str(remote), sys.executable, "tinypkg==1.0\n", build=False)["outcome"] == "absent"
 
     with ProcessPoolExecutor(2) as pool:
@@ -203,6 +227,16 @@ def test_two_runs_starting_together_build_once_and_a_half_built_venv_is_never_tr
     done = subprocess.run([str(half / "bin" / "python"), "-c", "import tinypkg; print(tinypkg.VERSION)"],
                           capture_output=True, text=True)
     assert done.stdout.strip() == "1.0", done.stderr
+
+    # check names the venv a run gets, and its interpreter
+    wanted = Wanted("tinypkg==1.0\n", "requirements.txt")
+    backend = Backend("local", Config(remote_dir=str(remote)), str(tmp_path / ".tether"), environment=wanted)
+    try:
+        [item] = [i for i in backend.check().items if i["check"] == "environment"]
+    finally:
+        backend.close()
+    assert item["detail"].startswith(f"Python {sys.version.split()[0]} ({half / 'bin' / 'python'}); torch "), item
+    assert item["detail"].endswith(f"; venv {half} (built, reused by every run)") and item["ok"], item
 
 
 def test_uv_builds_with_uv_and_pip_without_it(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -37,26 +38,9 @@ TAIL_LINES = 15  # of the installer's output, kept in the answer
 SETUP_DONE = "TETHER_SETUP_DONE"  # set by a SLURM job.sh that ran the setup lines before the launcher
 UV_NAMES = {"PIP_INDEX_URL": "UV_INDEX_URL", "PIP_EXTRA_INDEX_URL": "UV_EXTRA_INDEX_URL",
             "PIP_FIND_LINKS": "UV_FIND_LINKS", "PIP_NO_INDEX": "UV_NO_INDEX"}  # uv does not read pip's names
-# What an interpreter says about itself: without importing torch (seconds, and a CUDA init), from
-# its metadata and torch/version.py, which every torch wheel ships (`__version__`, `cuda`).
-PROBE = r"""
-import importlib.util, json, os, re, sys
-found = {"version": "%d.%d.%d" % sys.version_info[:3], "executable": sys.executable,
-         "real": os.path.realpath(sys.executable), "full_version": sys.version,
-         "has_pip": importlib.util.find_spec("pip") is not None, "torch": None, "cuda": None}
-spec = importlib.util.find_spec("torch")
-if spec is not None and spec.origin:
-    try:
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
-            text = f.read()
-        for key, name in (("torch", "__version__"), ("cuda", "cuda")):
-            m = re.search(r"^%s\s*(?::[^=\n]*)?=\s*['\"]([^'\"]*)['\"]" % name, text, re.M)
-            found[key] = m.group(1) if m else None
-        found["torch"] = found["torch"] or "unknown version"
-    except OSError:
-        found["torch"] = "unknown version"
-print(json.dumps(found))
-"""
+VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROBE = ("import json, sys; sys.path.insert(0, %r); from tether.remote.environment import describe; "
+         "print(json.dumps(describe()))" % VERSION_DIR)
 
 
 class BuildFailed(Exception):
@@ -91,8 +75,30 @@ def _probe_or_none(answer: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return probe(answer["python"]) if answer["outcome"] in ("built", "reused") else None
 
 
+def describe() -> Dict[str, Any]:
+    """This interpreter: version, path, real path, pip, and torch's version and CUDA build, read from the
+    torch/version.py that every torch wheel ships (`__version__`, `cuda`): importing torch takes seconds."""
+    found = {"version": "%d.%d.%d" % sys.version_info[:3], "executable": sys.executable,
+             "real": os.path.realpath(sys.executable), "full_version": sys.version,
+             "has_pip": importlib.util.find_spec("pip") is not None, "torch": None, "cuda": None}
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return found
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            text = f.read()
+    except OSError:
+        return dict(found, torch="unknown version")
+    for key, name in (("torch", "__version__"), ("cuda", "cuda")):
+        match = re.search(r"^%s\s*(?::[^=\n]*)?=\s*['\"]([^'\"]*)['\"]" % name, text, re.M)
+        found[key] = match.group(1) if match else None
+    return dict(found, torch=found["torch"] or "unknown version")
+
+
 def probe(python: str) -> Dict[str, Any]:
     """`python` (a name on PATH or a path) describing itself; ValueError naming the fix when it cannot start."""
+    if shutil.which(python) and os.path.abspath(shutil.which(python) or "") == os.path.abspath(sys.executable):
+        return describe()  # serve's own interpreter: no second Python start
     try:
         done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:

@@ -29,6 +29,7 @@ from tether import config as config_mod  # noqa: E402
 from tether.backends.local import Backend, Config  # noqa: E402
 from tether.backends.slurm import Config as SlurmConfig  # noqa: E402
 from tether.backends.slurm import job_script  # noqa: E402
+from tether import environment as environment_mod  # noqa: E402
 from tether.environment import Wanted  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.paths import RunPaths  # noqa: E402
@@ -333,3 +334,9 @@ def test_the_requirements_sha256_is_in_the_runs_identity_and_no_section_keeps_ol
     (tmp_path / "requirements.txt").write_text("numpy==2.0\n")
     changed = launch_spec(_job(tmp_path, "environment: {requirements: requirements.txt, packages: [tqdm]}\n"))
     assert changed["environment"]["requirements_sha256"] != spec["environment"]["requirements_sha256"]
+
+    job = _job(tmp_path, "environment: {requirements: requirements.txt, packages: [tqdm]}\n")
+    assert environment_mod.differs(changed["environment"], job.environment, job.root) == ""
+    assert environment_mod.differs(spec["environment"], job.environment, job.root) == (
+        "its environment differs here (requirements_sha256)")  # repro refuses: another venv than the run had
+    assert environment_mod.differs(None, job.environment, job.root) == "the job here has an environment: section"

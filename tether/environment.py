@@ -94,3 +94,15 @@ def identity(env: Environment, root: str) -> Optional[dict]:
         with open(os.path.join(root, env.requirements), "rb") as f:
             found.update(requirements=env.requirements, requirements_sha256=hashlib.sha256(f.read()).hexdigest())
     return found
+
+
+def differs(recorded: Optional[dict], env: Environment, root: str) -> str:
+    """Why this job's environment is not the one a recorded run had ('' when it is): a reproduction
+    must install what the run installed."""
+    here = identity(env, root)
+    if (recorded or None) == here:
+        return ""
+    if here is None or recorded is None:
+        return "the job here has %s environment: section" % ("no" if here is None else "an")
+    changed = [k for k in sorted(set(here) | set(recorded)) if here.get(k) != recorded.get(k)]
+    return "its environment differs here (%s)" % ", ".join(changed)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether import config as config_mod
-from tether import manifest
+from tether import environment, manifest
 from tether.config import Problems, Restart
 from tether.errors import ConfigError, RunError
 from tether.hashing import Entry
@@ -152,6 +152,10 @@ def reproduce(s: Session, recorded: Recorded, tolerance: float) -> tuple[bool, s
 def session_for(s: Session, recorded: Recorded) -> Session:
     """A session whose job is the recorded one: its trainer settings, spec, and code and data files."""
     spec = recorded.spec
+    why = environment.differs(spec.get("environment"), s.job.environment, s.job.root)
+    if why:  # the venv would hold other packages than the run had
+        raise RunError(f"refusing to reproduce {recorded.run.run_id}: {why}: check out the commit the run was made "
+                       f"from (its run.json records the environment)")
     trainer = _trainer(spec["trainer"])
     job = dataclasses.replace(s.job, name=spec["name"], trainer=trainer, artifacts=tuple(spec.get("artifacts", ())),
                               restart=Restart(**spec["restart"]), sweep={})

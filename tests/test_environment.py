@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+pytest.register_assert_rewrite("slurm_fixtures")
 pytest_plugins = ["slurm_fixtures"]  # the session's one cluster, shared with test_slurm.py
 
 from conftest import config_text  # noqa: E402

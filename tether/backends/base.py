@@ -318,7 +318,15 @@ def _gpu_items(report: Report, found: Preflight, settings: dict) -> None:
         return
     if found.gpu_error is not None:
         report.add("gpu", False, found.gpu_error)
-        return
+    else:
+        _gpu_line(report, found)
+    torch = found.torch
+    if torch and torch.get("torch") and "gpus" in torch:
+        _torch_item(report, torch)
+
+
+def _gpu_line(report: Report, found: Preflight) -> None:
+    """The GPUs there are, and which ones a run would get now (each other one with its reason)."""
     visible = found.gpu_env.get("CUDA_VISIBLE_DEVICES")
     if not found.gpus:
         why = found.no_gpu or "nvidia-smi absent or empty"
@@ -329,9 +337,6 @@ def _gpu_items(report: Report, found: Preflight, settings: dict) -> None:
     skipped = "; ".join(f"{i}: {why}" for i, why in sorted(found.gpu_skipped.items(), key=lambda kv: int(kv[0])))
     gets = f"a run gets CUDA_VISIBLE_DEVICES={visible}" if visible else "a run gets no GPU: the trainer runs on the CPU"
     report.add("gpu", True, f"{listed}; {gets}" + (f" (passed over: {skipped})" if skipped else ""))
-    torch = found.torch
-    if torch and torch.get("torch") and "gpus" in torch:
-        _torch_item(report, torch)
 
 
 def _gpu_text(g: dict) -> str:

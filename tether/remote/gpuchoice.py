@@ -38,7 +38,7 @@ class Ask:
 
     @classmethod
     def of(cls, settings: Dict[str, Any]) -> "Ask":
-        wanted = settings.get("gpus", "none")
+        wanted = settings.get("gpus") or "none"  # (a count of 0 is refused by the config)
         free, share = int(settings.get("min_free_gpu_mb") or 0), bool(settings.get("share_gpus"))
         minimum = settings.get("min_gpus")
         if isinstance(wanted, int) and not isinstance(wanted, bool):
@@ -149,11 +149,11 @@ def _pinned(ask: Ask, found: List[Dict[str, Any]], skipped: Dict[int, str]) -> C
     by_index = {int(g["index"]): g for g in found}
     absent = [i for i in ask.pinned if i not in by_index]
     if absent:
-        return Choice(error="gpus %r: this host has GPUs %s (nvidia-smi); pin ones it has, or use a count "
+        return Choice(error="gpus \"%s\": this host has GPUs %s (nvidia-smi); pin ones it has, or use a count "
                             "such as gpus: %d" % (ask.text, _span(list(by_index)), len(ask.pinned)))
     bad = {i: skipped[i] for i in ask.pinned if i in skipped}
     if bad:
-        return Choice(skipped=bad, error="gpus %r: GPU %s: pin other GPUs, or use a count such as gpus: %d"
+        return Choice(skipped=bad, error="gpus \"%s\": GPU %s: pin other GPUs, or use a count such as gpus: %d"
                       % (ask.text, _reasons_text(bad), len(ask.pinned)))
     return Choice([by_index[i] for i in ask.pinned], {i: why for i, why in skipped.items() if i in ask.pinned})
 

@@ -165,8 +165,8 @@ MIN_GPUS_CASES = [
                  "no usable GPU (nvidia-smi exited 6: No devices were found): the trainer runs on the CPU",
                  id="auto-falls-back-to-cpu"),
     pytest.param("query-gpu-memory.txt", 0, {"gpus": 2}, False,
-                 "needs 2 GPU(s) with \u2265 2000 MB free; found 1 (0: 932 MB free): wait for a GPU to free up, lower "
-                 "min_gpus or min_free_gpu_mb, or set share_gpus: true", id="count-short-of-free-gpus"),
+                 "needs 2 GPU(s) with \u2265 2000 MB free; found 1 (0: 932 MB free): wait for memory to free up (or "
+                 "lower min_free_gpu_mb), or lower min_gpus", id="count-short-of-free-gpus"),
     pytest.param("query-gpu-memory.txt", 0, {"gpus": 2, "min_gpus": 1}, True,
                  "a run gets CUDA_VISIBLE_DEVICES=1 (passed over: 0: 932 MB free)", id="lower-min-takes-fewer"),
 ]
@@ -326,3 +326,37 @@ def test_leases_under_concurrency_refusal_release_reclaim_and_share(replay, tmp_
     for d in (r3, r4, r5):
         finish(d)
     assert lease_owners(remote) == {} and leases.live(str(remote)) == {}
+
+
+# ---------------------------------------------------------------- what the user sees: doit run train, status
+
+GPU_SCRIPT = """\
+import json, os
+with open(os.path.join(os.environ["TETHER_ARTIFACTS_DIR"], "cuda.json"), "w") as f:
+    json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}, f)
+print("trained")
+"""
+
+
+def test_doit_refuses_too_few_gpus_then_runs_on_the_freest_and_status_names_it(replay, project):
+    replay("query-gpu-memory.txt")
+    gpus = captured("query-gpu-memory.txt")
+    fit = [g for g in gpus if g["free"] >= 2000]
+    (project.root / "gpu.py").write_text(GPU_SCRIPT)
+    config = ("name: gpu\ncode: {paths: [gpu.py]}\ntrainer: {type: command, command: '{python} gpu.py'}\n"
+              "artifacts: [cuda.json]\nbackends:\n  local: {type: local, gpus: %d%s}\n")
+    project.write_config(config % (len(gpus), ""))
+    refused = project.doit("run", "train")
+    assert refused.returncode != 0
+    assert f"needs {len(gpus)} GPU(s) with \u2265 2000 MB free; found {len(fit)}" in refused.stdout + refused.stderr
+    assert not any((project.local_run(r) / "launch.json").exists() for r in project.run_ids())
+
+    project.write_config(config % (len(gpus), f", min_gpus: {len(fit)}"))
+    train = project.doit("run", "train")
+    assert train.returncode == 0, train.stdout + train.stderr
+    got = json.loads((project.local_run() / "files" / "artifacts" / "cuda.json").read_text())
+    assert got == {"CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in fit)}
+    status = project.doit("status")
+    names = ", ".join(g["name"] for g in fit)
+    assert f"gpus             {got['CUDA_VISIBLE_DEVICES']} ({names})" in status.stdout, status.stdout
+    assert not list((project.root / ".tether" / "remote" / "gpu-leases").glob("*.json"))  # released at the end

@@ -682,8 +682,8 @@ NVIDIA_SMI_CASES = [
                  "version: 535.161: make nvidia-smi work on the far side, or set gpus: none",
                  "Failed to initialize NVML: Driver/library version mismatch", id="other-failures-say-why"),
     pytest.param("query-gpu-memory-gb10.txt", 0, "auto", 2000, False,
-                 "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown): wait for a GPU to free up, "
-                 "lower min_gpus or min_free_gpu_mb, or set share_gpus: true (min_free_gpu_mb: 0 accepts a GPU whose "
+                 "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown): wait for memory to free up "
+                 "(or lower min_free_gpu_mb), or lower min_gpus (min_free_gpu_mb: 0 accepts a GPU whose "
                  "free memory nvidia-smi cannot report)",
                  "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown)",
                  id="na-memory-is-unknown-not-a-crash"),

@@ -20,6 +20,9 @@ from tether.remote.rundir import event, run_file, update_state, write_private
 
 REQUEST_FILE = "gpu_request.json"  # in the run dir: the GPU settings of the launch, for the detached launcher
 NEED_FIX = "wait for a GPU to free up, lower min_gpus or min_free_gpu_mb, or set share_gpus: true"
+FIXES = ((("leased to run",), "wait for those runs to end (or set share_gpus: true)"),
+         (("MB free", "free memory unknown"), "wait for memory to free up (or lower min_free_gpu_mb)"),
+         (("no kernels",), "install a torch build for these GPUs (pytorch.org/get-started)"))
 NO_GPU_FIX = "make the host's GPUs visible to nvidia-smi, or set min_gpus: 0 to train on the CPU"
 SETTING_KEYS = ("remote_dir", "gpus", "min_gpus", "min_free_gpu_mb", "share_gpus")
 
@@ -97,8 +100,15 @@ def _reasons_text(skipped: Dict[int, str]) -> str:
     return "; ".join("%d: %s" % (i, why) for i, why in sorted(skipped.items()))
 
 
-def needs_text(need: int, ask: Ask, found: int, why: str, fix: str = NEED_FIX) -> str:
+def _fix(why: str) -> str:
+    """What to do about the reasons in `why` (leases, memory, kernels), and always: accept fewer."""
+    fixes = [fix for words, fix in FIXES if any(w in why for w in words)]
+    return ", ".join(fixes + ["or lower min_gpus"]) if fixes else NEED_FIX
+
+
+def needs_text(need: int, ask: Ask, found: int, why: str, fix: str = "") -> str:
     """`needs 2 GPU(s) with ≥ 2000 MB free; found 0 (0: 932 MB free; ...)`, with the fix."""
+    fix = fix or _fix(why)
     if "free memory unknown" in why:
         fix += " (min_free_gpu_mb: 0 accepts a GPU whose free memory nvidia-smi cannot report)"
     return "needs %d GPU(s) with \u2265 %d MB free; found %d (%s): %s" % (need, ask.min_free_mb, found, why, fix)

@@ -10,7 +10,6 @@ the ones with the most free memory are chosen.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -65,13 +64,15 @@ class Choice:
 
     @property
     def indices(self) -> List[int]:
+        if self.unchecked:
+            return [int(i) for i in self.unchecked.split(",")]
         return [int(g["index"]) for g in self.chosen]
 
     def env(self) -> Dict[str, str]:
         """CUDA_VISIBLE_DEVICES for the trainer ({} on the CPU)."""
         if self.unchecked:
             return {"CUDA_VISIBLE_DEVICES": self.unchecked}
-        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.indices))} if self.chosen else {}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.indices))} if self.indices else {}
 
 
 def _reason(g: Dict[str, Any], ask: Ask, no_kernels: Dict[int, str], leased: Dict[int, str]) -> str:
@@ -245,7 +246,6 @@ def _record(run_dir: str, choice: Choice, leased: List[int]) -> List[int]:
 
 def refused(run_dir: str, error: str) -> None:
     """A run whose GPUs could not be had: the reason in state.json (for `start` to answer), still startable."""
-    print("tether: no GPUs for this run: %s" % error, file=sys.stderr)  # into launcher.log
     state = read_json(run_file(run_dir, "state.json")) or {}
     update_state(run_dir, status=state.get("status") or "pending", launcher_error=error, refused=error)
 

@@ -160,7 +160,8 @@ def test_pinned_indices_are_checked_against_nvidia_smi(replay, tmp_path):
 MIN_GPUS_CASES = [
     pytest.param("no-devices.txt", 6, {"gpus": "auto", "min_gpus": 1}, False,
                  "needs 1 GPU(s) with \u2265 2000 MB free; found 0 (nvidia-smi exited 6: No devices were found): make "
-                 "the host's GPUs visible to nvidia-smi, or set min_gpus: 0 to train on the CPU", id="rented-box-lost-gpus"),
+                 "the host's GPUs visible to nvidia-smi, or set min_gpus: 0 to train on the CPU",
+                 id="rented-box-lost-gpus"),
     pytest.param("no-devices.txt", 6, {"gpus": "auto"}, True,
                  "no usable GPU (nvidia-smi exited 6: No devices were found): the trainer runs on the CPU",
                  id="auto-falls-back-to-cpu"),

@@ -330,7 +330,8 @@ def _gpu_line(report: Report, found: Preflight) -> None:
     visible = found.gpu_env.get("CUDA_VISIBLE_DEVICES")
     if not found.gpus:
         why = found.no_gpu or "nvidia-smi absent or empty"
-        gets = f"; a run gets CUDA_VISIBLE_DEVICES={visible} (unchecked)" if visible else ": the trainer runs on the CPU"
+        gets = f"; a run gets CUDA_VISIBLE_DEVICES={visible} (unchecked)" if visible else \
+            ": the trainer runs on the CPU"
         report.add("gpu", True, f"no usable GPU ({why}){gets}")
         return
     listed = "; ".join(_gpu_text(g) for g in found.gpus)

@@ -10,12 +10,14 @@ test, once every job that works in it has been cancelled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -25,11 +27,11 @@ REMOTE_ROOT = Path.home() / ".cache" / "tether-slurm-tests"
 POLL_ACK = "is below 10 s: every poll"  # the warning poll_interval_s: 1 earns, acknowledged in test configs
 
 
-@pytest.fixture(scope="session")
-def cluster():
-    """A real single-node SLURM with its login node, for the whole session; stop() cancels every job."""
+@contextlib.contextmanager
+def started_cluster(nodes: int = 1) -> Iterator[SlurmCluster]:
+    """A real SLURM of `nodes` slurmd with its login node; every job cancelled and every daemon stopped after."""
     base = Path(tempfile.mkdtemp(prefix="tether-slurm-"))  # not pytest's 0700 tree: munged wants x on parents
-    found = SlurmCluster(base)
+    found = SlurmCluster(base, nodes)
     try:
         found.start()
         yield found
@@ -39,6 +41,13 @@ def cluster():
         finally:
             found.stop()
             shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A real single-node SLURM with its login node, for the whole session; stop() cancels every job."""
+    with started_cluster() as found:
+        yield found
 
 
 def jobs_under(cluster: SlurmCluster, folder: Path) -> list[str]:

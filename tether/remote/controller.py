@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, idle, notify, objects, progress, resume as resuming
+from tether.remote import endings, idle, nodes, notify, objects, progress, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
@@ -274,7 +274,7 @@ def _trainer_command(spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
     if resume:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
     srun = os.environ.get("TETHER_SRUN")  # job.sh of a multi-node SLURM job: one trainer per node
-    return srun.split() + argv if srun else argv
+    return nodes.step_command(srun, argv) if srun else argv  # (a torchrun per node: wrap argv above this)
 
 
 def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:

@@ -32,8 +32,8 @@ def _wait(check, seconds: float, what: str) -> None:
 class SlurmCluster:
     """munged + slurmctld + slurmd on this machine; `login` is an sshd whose sessions see SLURM_CONF."""
 
-    def __init__(self, base: Path, nodes: int = 1) -> None:
-        self.base = base
+    def __init__(self, base: Path, nodes: int = 1, cred_expire: int = 10) -> None:
+        self.base, self.cred_expire = base, cred_expire  # a requeued job runs again ~cred_expire + 1 s later
         self.node = socket.gethostname().split(".")[0]
         self.nodes = [self.node] if nodes == 1 else [f"tether{i}" for i in range(1, nodes + 1)]
         spools = ["spool"] if nodes == 1 else [f"spool-{name}" for name in self.nodes]
@@ -59,7 +59,7 @@ SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.socket},cred_expire=10
+AuthInfo=socket={self.socket},cred_expire={self.cred_expire}
 StateSaveLocation={self.base}/state
 SlurmdSpoolDir={self.base}/spool{many}
 SlurmctldPidFile={self.base}/slurmctld.pid

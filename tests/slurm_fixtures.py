@@ -28,10 +28,10 @@ POLL_ACK = "is below 10 s: every poll"  # the warning poll_interval_s: 1 earns, 
 
 
 @contextlib.contextmanager
-def started_cluster(nodes: int = 1) -> Iterator[SlurmCluster]:
+def started_cluster(nodes: int = 1, cred_expire: int = 10) -> Iterator[SlurmCluster]:
     """A real SLURM of `nodes` slurmd with its login node; every job cancelled and every daemon stopped after."""
     base = Path(tempfile.mkdtemp(prefix="tether-slurm-"))  # not pytest's 0700 tree: munged wants x on parents
-    found = SlurmCluster(base, nodes)
+    found = SlurmCluster(base, nodes, cred_expire)
     try:
         found.start()
         yield found

@@ -3,6 +3,7 @@
 One node by default. `nodes=2` runs two slurmd on this machine (Slurm's multiple-slurmd mode: the
 Debian build has it): nodes tether1, tether2, each its own `-N` name, port, spool, log and pid file,
 all with NodeAddr 127.0.0.1, so a 2-node job's steps really run under two slurmd.
+`cred_expire` (how long a requeued job waits) and `kill_wait` (KillWait) are settable per cluster.
 
 The daemons run in the foreground as children of the test process and are stopped by pid;
 jobs are cancelled first (killing slurmd does not kill running jobs).
@@ -32,8 +33,8 @@ def _wait(check, seconds: float, what: str) -> None:
 class SlurmCluster:
     """munged + slurmctld + slurmd on this machine; `login` is an sshd whose sessions see SLURM_CONF."""
 
-    def __init__(self, base: Path, nodes: int = 1, cred_expire: int = 10) -> None:
-        self.base, self.cred_expire = base, cred_expire  # a requeued job runs again ~cred_expire + 1 s later
+    def __init__(self, base: Path, nodes: int = 1, cred_expire: int = 10, kill_wait: int = 5) -> None:
+        self.base, self.cred_expire, self.kill_wait = base, cred_expire, kill_wait
         self.node = socket.gethostname().split(".")[0]
         self.nodes = [self.node] if nodes == 1 else [f"tether{i}" for i in range(1, nodes + 1)]
         spools = ["spool"] if nodes == 1 else [f"spool-{name}" for name in self.nodes]
@@ -77,7 +78,7 @@ SchedulerParameters=sched_interval=1
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
-KillWait=5
+KillWait={self.kill_wait}
 MinJobAge=600
 InactiveLimit=0
 Waittime=0
@@ -127,7 +128,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if jobs:
             subprocess.run(["scancel", *jobs], env=self.env, capture_output=True)
             _wait(lambda: not subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env, capture_output=True,
-                                             text=True).stdout.split(), 20, "job cancellation")
+                                             text=True).stdout.split(), 20 + self.kill_wait, "job cancellation")
         self.login.stop()
         for process in reversed(self.processes):
             if process.poll() is None:

@@ -28,10 +28,11 @@ POLL_ACK = "is below 10 s: every poll"  # the warning poll_interval_s: 1 earns, 
 
 
 @contextlib.contextmanager
-def started_cluster(nodes: int = 1, cred_expire: int = 10) -> Iterator[SlurmCluster]:
-    """A real SLURM of `nodes` slurmd with its login node; every job cancelled and every daemon stopped after."""
+def started_cluster(nodes: int = 1, **settings: int) -> Iterator[SlurmCluster]:
+    """A real SLURM of `nodes` slurmd with its login node (`settings`: SlurmCluster's cred_expire, kill_wait);
+    every job cancelled and every daemon stopped after."""
     base = Path(tempfile.mkdtemp(prefix="tether-slurm-"))  # not pytest's 0700 tree: munged wants x on parents
-    found = SlurmCluster(base, nodes, cred_expire)
+    found = SlurmCluster(base, nodes, **settings)
     try:
         found.start()
         yield found

@@ -94,7 +94,10 @@ STEPS = 30
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    with started_cluster(nodes=2, cred_expire=5) as found:  # 5: Slurm's least; a requeue waits it out
+    """Two slurmd. A requeued job waits out cred_expire (5: Slurm's least); KillWait (the time between
+    a requeue's SIGTERM and its SIGKILL) is 20 s, not 5, for two torch ranks, srun and the launcher to
+    save and record on two busy cores (a job whose processes end sooner ends sooner)."""
+    with started_cluster(nodes=2, cred_expire=5, kill_wait=20) as found:
         yield found
 
 

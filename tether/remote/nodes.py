@@ -26,7 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from typing import Any, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
 RANKS = {"RANK": "SLURM_PROCID", "LOCAL_RANK": "SLURM_LOCALID", "WORLD_SIZE": "SLURM_NTASKS",
          "NODE_RANK": "SLURM_NODEID"}
@@ -59,7 +59,7 @@ def step(srun: List[str], argv: List[str]) -> int:
     for sig in (*STEP_SIGNALS, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: _pass_on(started[0], signum) if started else early.append(signum))
     started.append(subprocess.Popen([*srun, sys.executable, os.path.abspath(__file__), "task", *argv],
-                                    start_new_session=True, preexec_fn=_die_with_parent))
+                                    start_new_session=True, preexec_fn=_die_with_parent()))
     for signum in early:
         _pass_on(started[0], signum)
     code = started[0].wait()
@@ -105,15 +105,16 @@ def _send(child: "subprocess.Popen[bytes]", sig: int) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """srun gets SIGKILL if this process dies (the launcher's SIGKILL after its grace time): its
-    own shepherd then kills the step's tasks on every node."""
+def _die_with_parent() -> Optional[Callable[[], None]]:
+    """A preexec_fn that has srun SIGKILLed when this process dies (the launcher's SIGKILL after its
+    grace time): srun's own shepherd then kills the step's tasks on every node. None without prctl."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None).prctl
     except (ImportError, OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def main(args: Optional[List[str]] = None) -> Any:

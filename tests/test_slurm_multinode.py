@@ -130,6 +130,7 @@ def last_step(run_dir: Path) -> int:
 
 
 def test_two_node_gloo_job_requeued_mid_run_resumes_and_verifies(project, two_nodes, remote):
+    """`doit run train` with `nodes: 2` over the login node; `scontrol requeue` mid-run; it completes."""
     (project.root / "script").mkdir()
     (project.root / "script" / "ddp.py").write_text(SCRIPT)
     text = slurm_yaml(two_nodes, remote, f"{{python}} script/ddp.py --steps {STEPS}", code="script/ddp.py",
@@ -152,7 +153,7 @@ def test_two_node_gloo_job_requeued_mid_run_resumes_and_verifies(project, two_no
     # every attempt ran rank 0 on tether1 and rank 1 on tether2, through the allocation's rendezvous
     ranks = log_lines(run_dir, r"^rank (\d) of 2 on (\S+) via (\S+):(\d+)$")
     assert sorted(r[:2] for r in ranks) == [("0", "tether1")] * 2 + [("1", "tether2")] * 2, ranks
-    assert {r[2] for r in ranks} == {"127.0.0.1"}, ranks  # tether1's NodeAddr
+    assert {r[2] for r in ranks} == {"127.0.0.1"}, ranks  # tether1's NodeAddr: "tether1" resolves nowhere
     for port in {r[3] for r in ranks}:  # each attempt's own port, never 29500, the same for both ranks
         on_port = [r[0] for r in ranks if r[3] == port]
         assert port != "29500" and on_port.count("0") == on_port.count("1"), ranks
@@ -176,7 +177,7 @@ def test_two_node_gloo_job_requeued_mid_run_resumes_and_verifies(project, two_no
     assert (project.local_run() / "PULL_VERIFIED.json").is_file()
 
 
-def test_the_step_wrapper_passes_ranks_and_keeps_srun_out_of_the_trainers_group(tmp_path):
+def test_the_step_command_and_each_tasks_ranks(tmp_path):
     """No cluster: the argv the launcher starts, and the environment a task's trainer gets."""
     argv = nodes.step_command("srun --nodes=2 --ntasks-per-node=1", ["/py", "train.py", "--resume", "a b"])
     assert argv == [sys.executable, nodes.__file__, "step", "srun", "--nodes=2", "--ntasks-per-node=1", "--",

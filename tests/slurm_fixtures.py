@@ -2,6 +2,7 @@
 
 `test_backend_slurm.py` and `test_slurm.py` load this with `pytest_plugins`, so one session-scoped
 cluster (real munged + slurmctld + slurmd, and sshd as the login node: tests/slurm.py) serves both.
+`test_slurm_multinode.py` starts its own 2-node cluster with `started_cluster(nodes=2)`, only for itself.
 
 Far-side folders live under ~/.cache/tether-slurm-tests/<unique>: the slurm backend refuses
 remote_dir under /tmp or /var/tmp, as compute nodes do not share those. Each is removed after its

@@ -23,9 +23,10 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, idle, nodes, notify, objects, progress, resume as resuming
+from tether.remote import endings, idle, notify, objects, progress, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
+from tether.remote import nodes  # a multi-node SLURM job's srun step
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
 from tether.remote.runtime import latest_checkpoint
 from tether.remote.supervise import Heartbeat, Supervisor, end_group, killpg

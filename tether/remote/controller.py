@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, idle, notify, objects, progress, resume as resuming
+from tether.remote import endings, gpuchoice, idle, notify, objects, progress, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
 from tether.remote import nodes  # a multi-node SLURM job's srun step
@@ -55,6 +55,11 @@ def run(run_dir: str) -> int:
     if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
+    gpus, refusal = gpuchoice.claim_safely(run_dir)  # under the run's lock: a dead run's leases are reclaimable
+    if refusal:
+        gpuchoice.refused(run_dir, refusal)  # left startable: `start` answers with the reason
+        os.close(lock)
+        return LAUNCHER_ERROR_EXIT
     heartbeat = Heartbeat(run_dir)
     control = None  # type: Optional[Controller]
     try:
@@ -63,6 +68,7 @@ def run(run_dir: str) -> int:
     except Exception as err:  # our own bug must not look like a lost run (a relaunch trains again)
         code, state = _launcher_failed(run_dir, err, supervisor, control)
     heartbeat.stop()
+    gpuchoice.give_back(run_dir, gpus)  # held through every attempt and backoff of this launcher
     os.close(lock)  # the run reads as ended from here on; what follows is housekeeping
     if control is not None:
         control.after(state)

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tether.remote import endings, gpuchoice, idle, notify, objects, progress, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
+from tether.remote import nodes  # a multi-node SLURM job's srun step
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
 from tether.remote.runtime import latest_checkpoint
 from tether.remote.supervise import Heartbeat, Supervisor, end_group, killpg
@@ -280,7 +281,7 @@ def _trainer_command(spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
     if resume:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
     srun = os.environ.get("TETHER_SRUN")  # job.sh of a multi-node SLURM job: one trainer per node
-    return srun.split() + argv if srun else argv
+    return nodes.step_command(srun, argv) if srun else argv  # (a torchrun per node: wrap argv above this)
 
 
 def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:

@@ -2,6 +2,7 @@
 
 `test_backend_slurm.py` and `test_slurm.py` load this with `pytest_plugins`, so one session-scoped
 cluster (real munged + slurmctld + slurmd, and sshd as the login node: tests/slurm.py) serves both.
+`test_slurm_multinode.py` starts its own 2-node cluster with `started_cluster(nodes=2)`, only for itself.
 
 Far-side folders live under ~/.cache/tether-slurm-tests/<unique>: the slurm backend refuses
 remote_dir under /tmp or /var/tmp, as compute nodes do not share those. Each is removed after its
@@ -10,12 +11,14 @@ test, once every job that works in it has been cancelled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -25,11 +28,12 @@ REMOTE_ROOT = Path.home() / ".cache" / "tether-slurm-tests"
 POLL_ACK = "is below 10 s: every poll"  # the warning poll_interval_s: 1 earns, acknowledged in test configs
 
 
-@pytest.fixture(scope="session")
-def cluster():
-    """A real single-node SLURM with its login node, for the whole session; stop() cancels every job."""
+@contextlib.contextmanager
+def started_cluster(nodes: int = 1, **settings: int) -> Iterator[SlurmCluster]:
+    """A real SLURM of `nodes` slurmd with its login node (`settings`: SlurmCluster's cred_expire, kill_wait);
+    every job cancelled and every daemon stopped after."""
     base = Path(tempfile.mkdtemp(prefix="tether-slurm-"))  # not pytest's 0700 tree: munged wants x on parents
-    found = SlurmCluster(base)
+    found = SlurmCluster(base, nodes, **settings)
     try:
         found.start()
         yield found
@@ -39,6 +43,13 @@ def cluster():
         finally:
             found.stop()
             shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A real single-node SLURM with its login node, for the whole session; stop() cancels every job."""
+    with started_cluster() as found:
+        yield found
 
 
 def jobs_under(cluster: SlurmCluster, folder: Path) -> list[str]:

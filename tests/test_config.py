@@ -165,7 +165,7 @@ def test_load_number_refuses_non_numbers(project, value):
 @pytest.mark.parametrize("old, new, needle, message", [
     ("  local: {type: local}", "  local: {type: local, pyhton: python3}", "pyhton",
      "unknown key 'pyhton' in backend 'local' (type local) (did you mean 'python'?); "
-     "valid keys: idle_stop, max_artifact_mb, python, remote_dir, teardown_command, type"),
+     "valid keys: env, gpus, idle_stop, max_artifact_mb, min_free_gpu_mb, min_gpus, num_threads, python, remote_dir, share_gpus, teardown_command, type"),
     ("checkpoint: {keep: 3, every: 50}", "checkpoint: {kep: 3, every: 50}", "kep:",
      "unknown key 'kep' in checkpoint (did you mean 'keep'?); valid keys: every, keep"),
     ("checkpoint: {keep: 3, every: 50}", "checkpoint:\n  every: 50\n  kep: 3", "kep:",
@@ -173,7 +173,7 @@ def test_load_number_refuses_non_numbers(project, value):
     ('  command: "{python} demo/train.py --epochs 3"',
      '  command: "{python} demo/train.py --epochs 3"\n  resume_arg: [--resume]', "resume_arg",
      "unknown key 'resume_arg' in trainer (type command) (did you mean 'resume_args'?); "
-     "valid keys: checkpoint, command, env, progress, resume_args, total_steps, type"),
+     "valid keys: checkpoint, command, env, progress, requires, resume_args, total_steps, type"),
     ("artifacts:", "artifcats:", "artifcats",
      "unknown key 'artifcats' in the job (did you mean 'artifacts'?); valid keys: " + JOB_KEYS),
 ], ids=["backend-pyhton", "checkpoint-kep-flow", "checkpoint-kep-block", "trainer-resume_arg", "top-artifcats"])
@@ -303,8 +303,8 @@ def test_key_of_another_backend_type_is_refused(project):
     text = edit("  local: {type: local}", "  local: {type: local, host: gpu1}")
     problems = load_problems(project, text)
     assert problems == [f"{project.root / 'tether.yaml'}:{line_of(text, 'host:')}: error: unknown key 'host' "
-                        f"in backend 'local' (type local); valid keys: idle_stop, max_artifact_mb, python, remote_dir, "
-                        f"teardown_command, type"], problems
+                        f"in backend 'local' (type local); valid keys: env, gpus, idle_stop, max_artifact_mb, "
+                        f"min_free_gpu_mb, min_gpus, num_threads, python, remote_dir, share_gpus, teardown_command, type"], problems
 
 
 # ---------------------------------------------------------------- paths

@@ -675,21 +675,24 @@ NVIDIA_SMI_CASES = [
                  "trainer runs on the CPU", {}, id="driver-failure-trains-on-cpu"),
     pytest.param("no-devices.txt", 6, "0", 2000, False,
                  "gpus '0' names GPUs, but nvidia-smi exited 6: No devices were found: fix the driver, or set "
-                 "gpus: auto to train on the CPU", {"CUDA_VISIBLE_DEVICES": "0"}, id="no-devices-but-gpus-named"),
+                 "gpus: auto to train on the CPU", "gpus '0' names GPUs, but nvidia-smi exited 6",
+                 id="no-devices-but-gpus-named"),
     pytest.param("nvml-mismatch.txt", 18, "auto", 2000, False,
                  "nvidia-smi exited 18: Failed to initialize NVML: Driver/library version mismatch NVML library "
                  "version: 535.161: make nvidia-smi work on the far side, or set gpus: none",
                  "Failed to initialize NVML: Driver/library version mismatch", id="other-failures-say-why"),
     pytest.param("query-gpu-memory-gb10.txt", 0, "auto", 2000, False,
-                 "no GPU has 2000 MB free (0: free memory unknown): wait, lower min_free_gpu_mb (0 accepts a GPU "
-                 "whose free memory nvidia-smi cannot report), or set gpus:",
-                 "no GPU has 2000 MB free (0: free memory unknown)", id="na-memory-is-unknown-not-a-crash"),
+                 "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown): wait for memory to free up "
+                 "(or lower min_free_gpu_mb), or lower min_gpus (min_free_gpu_mb: 0 accepts a GPU whose "
+                 "free memory nvidia-smi cannot report)",
+                 "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown)",
+                 id="na-memory-is-unknown-not-a-crash"),
     pytest.param("query-gpu-memory-gb10.txt", 0, "auto", 0, True,
                  "0: NVIDIA GB10, free memory unknown ([N/A]), 0% busy; a run gets CUDA_VISIBLE_DEVICES=0",
                  {"CUDA_VISIBLE_DEVICES": "0"}, id="na-memory-accepted-when-nothing-asked"),
     pytest.param("query-gpu-memory-util-na.txt", 0, "auto", 1000, True,
                  "0: NVIDIA RTX A4000, 932/16376 MB free, utilization unknown; 1: NVIDIA RTX A5000, 9087/24564 MB "
-                 "free, utilization unknown; a run gets CUDA_VISIBLE_DEVICES=1",
+                 "free, utilization unknown; a run gets CUDA_VISIBLE_DEVICES=1 (passed over: 0: 932 MB free)",
                  {"CUDA_VISIBLE_DEVICES": "1"}, id="na-utilization-is-unknown-not-a-crash"),
 ]
 
@@ -720,9 +723,9 @@ TORCH_KERNEL_CASES = [
     pytest.param(CU102, True, [0], ["has kernels for GPU(s) 0; skipped: 1 (sm_89)"], "0",
                  id="the-freest-gpu-without-kernels-is-not-chosen"),
     pytest.param(CU80, False, [], ["has kernels for no GPU here: 0 (sm_70): ", "1 (sm_89): ",
-                                   "install a torch build for these GPUs"], "1", id="no-gpu-has-kernels-refuses"),
+                                   "install a torch build for these GPUs"], None, id="no-gpu-has-kernels-refuses"),
     pytest.param(CPU_ONLY, False, [], ["0 (sm_70): torch 2.13.0+cpu is a CPU-only build; 1 (sm_89): torch "
-                                       "2.13.0+cpu is a CPU-only build"], "1", id="cpu-only-torch-refuses"),
+                                       "2.13.0+cpu is a CPU-only build"], None, id="cpu-only-torch-refuses"),
 ]
 
 
@@ -736,8 +739,13 @@ def test_torch_kernels_per_gpu(replay_nvidia_smi, tmp_path, probe, ok, usable, d
     assert lines["torch kernels"]["ok"] is ok, lines
     for detail in details:
         assert detail in lines["torch kernels"]["detail"], lines
-    assert lines["gpu"]["ok"] and lines["gpu"]["detail"].endswith(f"a run gets CUDA_VISIBLE_DEVICES={chosen}"), lines
-    assert machine.gpu_env(settings) == {"CUDA_VISIBLE_DEVICES": chosen}  # the launch, which does not probe torch
+    if chosen is None:  # no GPU has kernels: the run is refused, each GPU named with its reason
+        assert not lines["gpu"]["ok"] and "needs 1 GPU(s)" in lines["gpu"]["detail"], lines
+        with pytest.raises(ValueError, match="0: no kernels: .*; 1: no kernels: "):
+            machine.gpu_env(settings)  # the launch, which does not probe torch: the preflight's verdict
+    else:
+        assert lines["gpu"]["ok"] and f"a run gets CUDA_VISIBLE_DEVICES={chosen}" in lines["gpu"]["detail"], lines
+        assert machine.gpu_env(settings) == {"CUDA_VISIBLE_DEVICES": chosen}  # the launch, which does not probe torch
     machine.gpu_check(settings, torch_needed=False)  # a trainer without torch: no GPU is skipped any more
     assert machine.gpu_env(settings) == {"CUDA_VISIBLE_DEVICES": "1"}
 

@@ -322,34 +322,41 @@ def test_sbatch_lines_hold_every_sbatch_key_that_is_set(tmp_path):
 
 
 def test_job_script_for_two_nodes_exports_the_rendezvous(cluster, tmp_path, monkeypatch):
-    """Runs the rendered job.sh under bash with the variables SLURM sets for a 2-node job: a real
-    two-node run is impossible on one machine. The "python" it starts records its environment."""
-    from tether.remote import controller
+    """Runs the rendered job.sh under bash with the variables SLURM sets for a 2-node job on nodes
+    this cluster does not have (the real 2-node run: test_slurm_multinode.py). The "python" it starts
+    records its environment."""
+    from tether.remote import controller, nodes
 
     run = RunPaths(RUN_ID, str(tmp_path / ".tether"), str(tmp_path / "far"))
     Path(run.remote_abs).mkdir(parents=True)
     recorder = tmp_path / "record-env"
-    recorder.write_text('#!/bin/sh\nenv > "$3/env.txt"\necho "$@" > "$3/argv.txt"\n')
+    recorder.write_text('#!/bin/sh\n[ "$1" = -c ] && exec python3 "$@"  # the free port\n'
+                        'env > "$3/env.txt"\necho "$@" > "$3/argv.txt"\n')
     recorder.chmod(0o755)
     script = job_script(Config(host="login", remote_dir="~/tether", nodes=2), run, "/far/launcher.py", str(recorder))
-    assert "#SBATCH --nodes=2" in script.splitlines()
+    assert "#SBATCH --nodes=2" in script.splitlines() and "29500" not in script
     job = tmp_path / "job.sh"
     job.write_text(script)
-    env = dict(cluster.env, SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[07-08]")
-    done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr
-    recorded = dict(line.partition("=")[::2] for line in (Path(run.remote_abs) / "env.txt").read_text().splitlines())
-    assert recorded["MASTER_ADDR"] == "gpu07"  # the first host of the allocation
-    assert recorded["MASTER_PORT"].isdigit()
+    env = dict(cluster.env, SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[07-08]",
+               SLURM_CPUS_PER_TASK="6")
+    ports = set()
+    for _ in range(2):  # every attempt picks its own free port
+        done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        recorded = dict(line.partition("=")[::2] for line in (Path(run.remote_abs) / "env.txt").read_text().splitlines())
+        ports.add(recorded["MASTER_PORT"])
+    assert recorded["MASTER_ADDR"] == "gpu07"  # the first host: no NodeAddr known for it, its name
+    assert all(p.isdigit() and 1024 < int(p) < 65536 and p != "29500" for p in ports) and len(ports) == 2, ports
     assert recorded["WORLD_SIZE"] == "2" and recorded["NNODES"] == "2"
-    assert recorded["TETHER_SRUN"] == "srun --nodes=2 --ntasks-per-node=1"
+    assert recorded["TETHER_SRUN"] == "srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=6"  # 22.05: not inherited
     assert (Path(run.remote_abs) / "argv.txt").read_text().split() == ["/far/launcher.py", "run", run.remote_abs]
     assert (Path(run.remote_abs) / "exit_code.4242").read_text().strip() == "0"
 
-    # the launcher starts one trainer per node through it
+    # the launcher starts one trainer per node: srun runs nodes.py's per-task rank wrapper around it
     monkeypatch.setenv("TETHER_SRUN", recorded["TETHER_SRUN"])
     argv = controller._trainer_command({"argv": ["{python}", "train.py"]}, None)
-    assert argv == ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "train.py"]
+    assert argv == [sys.executable, nodes.__file__, "step", "srun", "--nodes=2", "--ntasks-per-node=1",
+                    "--cpus-per-task=6", "--", sys.executable, "train.py"]
 
     single = job_script(Config(host="login", remote_dir="~/tether"), run, "/far/launcher.py", str(recorder))
     assert "MASTER_ADDR" not in single and "TETHER_SRUN" not in single and "--nodes" not in single

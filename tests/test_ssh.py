@@ -699,13 +699,13 @@ def test_no_gpu_free_enough_refuses_check_and_launch(project, gpu_sshd, far):
     report = check_json(check)
     item = next(i for i in report["checks"] if i["check"] == "gpu")
     assert report["ready"] is False and item["ok"] is False, report
-    assert f"no GPU has {need} MB free" in item["detail"], item
+    assert f"needs 1 GPU(s) with \u2265 {need} MB free; found 0" in item["detail"], item
     assert "not ready" in check.stderr, out(check)
 
     train = project.doit("run", "train")
     assert train.returncode != 0, out(train)
-    assert f"no GPU has {need} MB free" in train.stderr, out(train)
-    assert "lower min_free_gpu_mb" in train.stderr, out(train)
+    assert f"needs 1 GPU(s) with \u2265 {need} MB free; found 0" in out(train), out(train)
+    assert "lower min_free_gpu_mb" in out(train), out(train)
     for run_id in project.run_ids():  # never launched: nothing started on the far side
         assert not (project.local_run(run_id) / "launch.json").exists()
         assert far_state(far, run_id) == {}

@@ -10,6 +10,7 @@ contract suite.
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -70,13 +71,26 @@ class Shared:
     max_artifact_mb: Optional[float] = None  # artifacts and checkpoints above this stay on the far side
     teardown_command: Optional[str] = None  # run here by `down` after the gate and the run dir's removal
     idle_stop: Optional[IdleStop] = None  # the box stops itself once its sealed runs go unread
+    num_threads: Optional[int] = None  # OMP/MKL/OPENBLAS_NUM_THREADS for the trainer
+    env: dict = field(default_factory=dict)  # extra environment for the trainer
 
     def problems(self) -> list[str]:
         found = self.idle_stop.problems() if self.idle_stop is not None else []
         if self.teardown_command is not None and not self.teardown_command.strip():
             found.append("teardown_command is empty: give the provider's terminate command "
                          "(e.g. vastai destroy instance 4242), or remove the key")
+        for key in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                found.append(f"env key {key!r} is not a valid environment variable name")
         return found
+
+    def trainer_env(self) -> dict:
+        """`env:` plus the thread counts from `num_threads:`: what a run's trainer gets."""
+        env = {str(k): str(v) for k, v in self.env.items()}
+        if self.num_threads:
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+                env[name] = str(self.num_threads)
+        return env
 
     def warnings(self) -> list[str]:
         return self.idle_stop.warnings() if self.idle_stop is not None else []
@@ -86,8 +100,8 @@ class Shared:
         return ()
 
     def installer_env(self) -> dict:
-        """The environment the venv's installer gets from this backend (over ssh: env:, for mirrors)."""
-        return {}
+        """The environment the venv's installer gets from this backend: env: (mirrors, proxies)."""
+        return {str(k): str(v) for k, v in self.env.items()}
 
 
 @dataclass
@@ -336,16 +350,26 @@ def _gpu_items(report: Report, found: Preflight, settings: dict) -> None:
         return
     if found.gpu_error is not None:
         report.add("gpu", False, found.gpu_error)
-        return
-    if not found.gpus:
-        why = found.no_gpu or "nvidia-smi absent or empty"
-        report.add("gpu", True, f"no usable GPU ({why}): the trainer runs on the CPU")
-        return
-    listed = "; ".join(_gpu_text(g) for g in found.gpus)
-    report.add("gpu", True, f"{listed}; a run gets CUDA_VISIBLE_DEVICES={found.gpu_env.get('CUDA_VISIBLE_DEVICES')}")
+    else:
+        _gpu_line(report, found)
     torch = found.torch
     if torch and torch.get("torch") and "gpus" in torch:
         _torch_item(report, torch)
+
+
+def _gpu_line(report: Report, found: Preflight) -> None:
+    """The GPUs there are, and which ones a run would get now (each other one with its reason)."""
+    visible = found.gpu_env.get("CUDA_VISIBLE_DEVICES")
+    if not found.gpus:
+        why = found.no_gpu or "nvidia-smi absent or empty"
+        gets = f"; a run gets CUDA_VISIBLE_DEVICES={visible} (unchecked)" if visible else \
+            ": the trainer runs on the CPU"
+        report.add("gpu", True, f"no usable GPU ({why}){gets}")
+        return
+    listed = "; ".join(_gpu_text(g) for g in found.gpus)
+    skipped = "; ".join(f"{i}: {why}" for i, why in sorted(found.gpu_skipped.items(), key=lambda kv: int(kv[0])))
+    gets = f"a run gets CUDA_VISIBLE_DEVICES={visible}" if visible else "a run gets no GPU: the trainer runs on the CPU"
+    report.add("gpu", True, f"{listed}; {gets}" + (f" (passed over: {skipped})" if skipped else ""))
 
 
 def _gpu_text(g: dict) -> str:

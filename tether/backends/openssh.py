@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from tether.backends.base import Shared
@@ -45,8 +45,6 @@ class Connection(Shared):
     identity_file: Optional[str] = None
     python: str = "python3"
     remote_dir: str = "~/.cache/tether"
-    num_threads: Optional[int] = None
-    env: dict = field(default_factory=dict)
     connect_timeout_s: float = 10.0
     keep_remote: bool = False
     fetch_artifacts: bool = True
@@ -71,21 +69,7 @@ class Connection(Shared):
                          f"is the far side's home), without '..'")
         if not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.python):
             found.append(f"python {self.python!r}: give an interpreter name or path (no spaces or quotes)")
-        for key in self.env:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                found.append(f"env key {key!r} is not a valid environment variable name")
         return found
-
-    def installer_env(self) -> dict:
-        return {str(k): str(v) for k, v in self.env.items()}
-
-    def trainer_env(self) -> dict:
-        """`env:` plus the thread counts from `num_threads:`: what a run's trainer gets."""
-        env = {str(k): str(v) for k, v in self.env.items()}
-        if self.num_threads:
-            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-                env[name] = str(self.num_threads)
-        return env
 
     def fetch_policy(self, path: str, size: int) -> str:
         """'' to fetch a manifest file, else why it stays on the far side (fetch_artifacts, max_artifact_mb)."""

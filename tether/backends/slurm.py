@@ -292,14 +292,33 @@ def setup_lines(cfg: Config, setup: tuple[str, ...]) -> list[str]:
     return ["# setup (prelude, then environment.setup)", *lines, "export TETHER_SETUP_DONE=1"] if lines else []
 
 
+def rendezvous_lines(python: str) -> list[str]:
+    """job.sh's lines for a job on several nodes: the rendezvous every node's trainer reads, and
+    TETHER_SRUN, which makes the launcher start the trainer as one srun task per node
+    (tether/remote/nodes.py sets RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK per task).
+
+    job.sh runs on the allocation's first node (sbatch's rule), where srun puts task 0: rank 0,
+    which listens for the others. MASTER_ADDR is that node's NodeAddr, the address slurmctld itself
+    reaches it by (its name where NodeAddr is unset). MASTER_PORT is a port the kernel says is free
+    on that node, picked anew by every attempt: never a fixed 29500, which two jobs sharing a node
+    would both try to bind, and not one derived from the job id, which anything else on the node
+    may hold. srun gets --cpus-per-task again: since Slurm 22.05 a step no longer inherits sbatch's.
+    """
+    free_port = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+    return [
+        'first="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        'addr="$(scontrol show node -o "$first" 2>/dev/null | tr " " "\\n" | sed -n "s/^NodeAddr=//p")"',
+        f'export MASTER_ADDR="${{addr:-$first}}" MASTER_PORT="$({shlex.quote(python)} -c {shlex.quote(free_port)})"',
+        "export WORLD_SIZE=$SLURM_NNODES NNODES=$SLURM_NNODES",
+        'export TETHER_SRUN="srun --nodes=$SLURM_NNODES --ntasks-per-node=1'
+        '${SLURM_CPUS_PER_TASK:+ --cpus-per-task=$SLURM_CPUS_PER_TASK}"',
+    ]
+
+
 def _script(cfg: Config, header: list[str], select: list[str], launcher: str, python: str,
             setup: tuple[str, ...] = ()) -> str:
     q = shlex.quote
-    multi_node = [
-        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        "export MASTER_PORT=29500 WORLD_SIZE=$SLURM_NNODES NNODES=$SLURM_NNODES",
-        'export TETHER_SRUN="srun --nodes=$SLURM_NNODES --ntasks-per-node=1"',
-    ] if cfg.nodes > 1 else []
+    multi_node = rendezvous_lines(python) if cfg.nodes > 1 else []
     return "\n".join(["#!/bin/bash", *header, "", *setup_lines(cfg, setup), "", *multi_node, *select,
                       "child=; early=",
                       "trap 'early=USR1; kill -USR1 $child 2>/dev/null' USR1  # the time-limit warning",

@@ -7,27 +7,22 @@ backend: tether/backends/venv.py; `packages:` here is its deprecated alias).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from tether.backends.base import Backend as BaseBackend
+from tether.backends.gpus import GpuKeys
 from tether.backends.openssh import Connection, SSHTransport
 from tether.backends.transport import Transport
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config(Connection):
+class Config(GpuKeys, Connection):
     """backends: {NAME: {type: ssh, host: HOST, ...}}: a machine your ssh key reaches."""
 
-    gpus: str = "auto"
-    min_free_gpu_mb: int = 2000
     packages: tuple[str, ...] = ()  # deprecated: the job's environment: {packages: [...]}
 
     def problems(self) -> list[str]:
-        found = super().problems()
-        if self.gpus not in ("auto", "none") and not re.fullmatch(r"\d+(,\d+)*", self.gpus):
-            found.append(f"gpus {self.gpus!r}: use auto, none, or indices such as \"0,1\"")
-        return found
+        return super().problems() + self.gpu_problems()
 
     def warnings(self) -> list[str]:
         return super().warnings() + (["packages: is deprecated: move the list to the job's environment: "
@@ -52,8 +47,8 @@ class Backend(BaseBackend):
         return self.config.keep_remote
 
     def settings(self) -> dict:
-        return {"remote_dir": self.remote_dir, "gpus": self.config.gpus, "python": self.python,
-                "min_free_gpu_mb": self.config.min_free_gpu_mb, "env": self.config.trainer_env()}
+        return {"remote_dir": self.remote_dir, "python": self.python, "env": self.config.trainer_env(),
+                **self.config.gpu_settings()}
 
     def fetch_policy(self, path: str, size: int) -> str:
         return self.config.fetch_policy(path, size)

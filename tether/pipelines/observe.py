@@ -105,7 +105,18 @@ def summary(s: Session, run: RunPaths, snap: Snapshot) -> dict:
             "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
             "queue": queue_text(snap), "resume_from": s.record(run).get("resume_from"),
             "signal": state.get("signal"), "reason": state.get("reason"), "output_age_s": snap.output_age_s,
-            "far_side": plans.far_side_words(snap)}
+            "gpus": gpus_text(state), "far_side": plans.far_side_words(snap)
+            + ([f"not started: {state['refused']}"] if state.get("refused") and snap.status == PENDING else [])}
+
+
+def gpus_text(state: dict) -> Optional[str]:
+    """The GPUs the run got, `0,1 (NVIDIA H200, NVIDIA H200)`, or `CPU (why)`; None when it chose none."""
+    if state.get("gpus") is None:
+        return None
+    if not state["gpus"]:
+        return f"CPU ({state['gpus_on_cpu']})" if state.get("gpus_on_cpu") else "CPU"
+    names = ", ".join(state.get("gpu_names") or [])
+    return ",".join(map(str, state["gpus"])) + (f" ({names})" if names else "")
 
 
 def queue_text(snap: Snapshot) -> Optional[str]:
@@ -131,7 +142,7 @@ def status(s: Session) -> None:
     for line in filter(None, [resuming.lineage(info)] + info["far_side"]):
         print(f"  {line}")
     for key in ("queue", "step", "loss", "heartbeat_age_s", "output_age_s", "elapsed_s", "restarts", "exit_code",
-                "host", "where"):
+                "host", "gpus", "where"):
         if info[key] is not None:
             print(f"  {key:16} {info[key]}")
 

@@ -23,9 +23,10 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, environment, idle, notify, objects, progress, resume as resuming
+from tether.remote import endings, environment, gpuchoice, idle, notify, objects, progress, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
+from tether.remote import nodes  # a multi-node SLURM job's srun step
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
 from tether.remote.runtime import latest_checkpoint
 from tether.remote.supervise import Heartbeat, Supervisor, end_group, killpg
@@ -54,6 +55,11 @@ def run(run_dir: str) -> int:
     if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
+    gpus, refusal = gpuchoice.claim_safely(run_dir)  # under the run's lock: a dead run's leases are reclaimable
+    if refusal:
+        gpuchoice.refused(run_dir, refusal)  # left startable: `start` answers with the reason
+        os.close(lock)
+        return LAUNCHER_ERROR_EXIT
     heartbeat = Heartbeat(run_dir)
     control = None  # type: Optional[Controller]
     try:
@@ -62,6 +68,7 @@ def run(run_dir: str) -> int:
     except Exception as err:  # our own bug must not look like a lost run (a relaunch trains again)
         code, state = _launcher_failed(run_dir, err, supervisor, control)
     heartbeat.stop()
+    gpuchoice.give_back(run_dir, gpus)  # held through every attempt and backoff of this launcher
     os.close(lock)  # the run reads as ended from here on; what follows is housekeeping
     if control is not None:
         control.after(state)
@@ -275,7 +282,7 @@ def _trainer_command(spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
     argv = environment.with_setup(argv, spec)  # the job's setup: lines first (a SLURM job.sh ran them itself)
     srun = os.environ.get("TETHER_SRUN")  # job.sh of a multi-node SLURM job: one trainer per node
-    return srun.split() + argv if srun else argv
+    return nodes.step_command(srun, argv) if srun else argv  # (a torchrun per node: wrap argv above this)
 
 
 def _trainer_env(run_dir: str, spec: Dict[str, Any], resume: Optional[str]) -> Dict[str, str]:

@@ -37,7 +37,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
-from tether.remote import controller, idle, machine, notify, protocol, resume as resuming, scheduler  # noqa: E402
+from tether.remote import controller, gpuchoice, idle, notify, protocol, resume as resuming, scheduler  # noqa: E402
 from tether.remote.controller import saved_checkpoint, stopped_without_launcher  # noqa: E402
 from tether.remote.fileio import atomic_write_json, read_json  # noqa: E402
 from tether.remote.rundir import is_alive, is_final, now, run_file, write_private  # noqa: E402
@@ -51,7 +51,8 @@ LAUNCHER_EXIT_S = 5.0  # how long `stop` waits for a launcher to exit once its r
 def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: float = 30.0) -> Dict[str, Any]:
     """Start `run` detached and wait until it has taken the lock and recorded its pid.
 
-    `settings`: {"env": {...}, "gpus": "auto"|"0,1"|"none", "min_free_gpu_mb": N}.
+    `settings`: {"env": {...}, "gpus": "auto"|N|"0,1"|"none", "min_gpus": N, "min_free_gpu_mb": N,
+    "share_gpus": B}; a launcher refused its GPUs exits early, and its reason is the answer's error.
     """
     state = read_json(run_file(run_dir, "state.json")) or {}
     if is_final(state):
@@ -59,11 +60,8 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
     if is_alive(run_dir):
         return {"outcome": "running", "state": state}
     settings = settings or {}
-    try:
-        env = dict(settings.get("env") or {}, **machine.gpu_env(settings))
-    except ValueError as err:
-        return {"outcome": "error", "state": state, "error": str(err)}
-    write_private(run_file(run_dir, "launch_env.json"), env)
+    write_private(run_file(run_dir, "launch_env.json"), dict(settings.get("env") or {}))
+    gpuchoice.request(run_dir, settings)  # the launcher chooses and leases them once it holds the run's lock
     with open(run_file(run_dir, "launcher.log"), "ab") as log:
         daemon = subprocess.Popen(
             [settings.get("python") or sys.executable, os.path.abspath(__file__), "run", run_dir],
@@ -94,8 +92,8 @@ def probe(run_dir: str) -> Dict[str, Any]:
     state = read_json(run_file(run_dir, "state.json")) or {}
     alive = is_alive(run_dir)
     status = state.get("status", "pending")
-    if status in ("running", "pending") and not alive and state:
-        status = "lost"
+    if status in ("running", "pending") and not alive and state and not state.get("refused"):
+        status = "lost"  # (a run refused its GPUs never started: it is pending, startable)
     snapshot = {"status": status, "final": is_final(state), "alive": alive, "state": state, "now": now(),
                 "sealed": os.path.exists(run_file(run_dir, "PULL_MANIFEST.json"))}
     try:

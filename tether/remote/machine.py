@@ -93,65 +93,29 @@ def gpus() -> Optional[List[Dict[str, Any]]]:
     return found
 
 
-def choose_gpu(found: List[Dict[str, Any]], min_free_mb: int) -> Optional[Dict[str, Any]]:
-    """The GPU with the most free memory, if it has at least `min_free_mb`. A GPU whose free memory
-    nvidia-smi cannot report ([N/A], e.g. unified memory) comes after every known one and qualifies
-    only when nothing is asked (min_free_mb 0); unknown utilization counts as fully busy."""
-    def fits(g: Dict[str, Any]) -> bool:
-        free = g["memory_free_mb"]
-        return free >= min_free_mb if free is not None else min_free_mb <= 0
+def gpu_env(settings: Dict[str, Any]) -> Dict[str, str]:
+    """CUDA_VISIBLE_DEVICES a launch would get now (leases read, none taken); ValueError with the
+    one-line reason when the run could not have its GPUs (tether.remote.gpuchoice decides)."""
+    from tether.remote import gpuchoice
 
-    def rank(g: Dict[str, Any]) -> Tuple[bool, int, int]:
-        util = g["utilization_pct"]
-        return (g["memory_free_mb"] is not None, g["memory_free_mb"] or 0, -(100 if util is None else util))
-
-    return max([g for g in found if fits(g)], key=rank, default=None)
-
-
-def _free_text(g: Dict[str, Any]) -> str:
-    free = g["memory_free_mb"]
-    return "%d: %s" % (g["index"], "free memory unknown" if free is None else "%d MB free" % free)
-
-
-def gpu_env(settings: Dict[str, Any], found: Optional[List[Dict[str, Any]]] = None,
-            usable: Optional[Set[int]] = None) -> Dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for a launch; ValueError naming the GPUs when none is free enough.
-
-    `found`: the GPUs, if already queried; `usable`: the indices torch has kernels for (None: all)."""
-    wanted = str(settings.get("gpus", "none"))
-    if wanted == "none":
-        return {}
-    if wanted != "auto":
-        return {"CUDA_VISIBLE_DEVICES": wanted}
-    if found is None:
-        try:
-            found = gpus()
-        except NoGpu:
-            return {}  # nvidia-smi says no GPU (no device, no driver): the trainer runs on the CPU
-        except RuntimeError as err:  # a launch answers with this one line, not a traceback
-            raise ValueError(NVIDIA_SMI_FIX % err) from None
-    if not found:
-        return {}  # no nvidia-smi or no GPU: the trainer runs on the CPU
-    if usable is None:
-        usable = _remembered_usable(settings, found)
-    candidates = [g for g in found if usable is None or g["index"] in usable] or found
-    need = int(settings.get("min_free_gpu_mb", 0))
-    chosen = choose_gpu(candidates, need)
-    if chosen is None:
-        seen = ", ".join(_free_text(g) for g in candidates)
-        unknown = any(g["memory_free_mb"] is None for g in candidates)
-        raise ValueError("no GPU has %d MB free (%s): wait, lower min_free_gpu_mb%s, or set gpus:"
-                         % (need, seen, " (0 accepts a GPU whose free memory nvidia-smi cannot report)"
-                            if unknown else ""))
-    return {"CUDA_VISIBLE_DEVICES": str(chosen["index"])}
+    found, no_gpu = gpuchoice.looked_up(settings)
+    ask = gpuchoice.Ask.of(settings)
+    leased = gpuchoice.leased_to(settings["remote_dir"]) if found and settings.get("remote_dir") else {}
+    kernels = gpuchoice.no_kernels_remembered(settings, found) if found and settings.get("remote_dir") else {}
+    choice = gpuchoice.choose(ask, found, no_gpu, kernels, leased)
+    if choice.error:
+        raise ValueError(choice.error)
+    return choice.env()
 
 
 def _gpu_identity(found: List[Dict[str, Any]]) -> List[List[Any]]:
     return [[g["index"], g["name"]] for g in found]
 
 
-def _remember_usable(remote_dir: str, found: List[Dict[str, Any]], usable: Optional[Set[int]]) -> None:
-    """Record the preflight's usable GPUs for later launches; no verdict (torch not needed) removes an old one."""
+def _remember_usable(remote_dir: str, found: List[Dict[str, Any]], usable: Optional[Set[int]],
+                     reasons: Optional[Dict[int, str]] = None) -> None:
+    """Record the preflight's usable GPUs (and why the others are not) for later launches; no verdict
+    (torch not needed) removes an old one."""
     path = os.path.join(remote_dir, KERNELS_FILE)
     if usable is None:
         try:
@@ -159,7 +123,8 @@ def _remember_usable(remote_dir: str, found: List[Dict[str, Any]], usable: Optio
         except FileNotFoundError:
             pass
         return
-    atomic_write_json(path, {"gpus": _gpu_identity(found), "usable": sorted(usable)})
+    atomic_write_json(path, {"gpus": _gpu_identity(found), "usable": sorted(usable),
+                             "reasons": {str(i): why for i, why in (reasons or {}).items()}})
 
 
 def _remembered_usable(settings: Dict[str, Any], found: List[Dict[str, Any]]) -> Optional[Set[int]]:
@@ -311,28 +276,28 @@ def _check_with(python: str, settings: Dict[str, Any]) -> Dict[str, Any]:
 
 def gpu_check(settings: Dict[str, Any], torch_needed: bool,
               torch_probe: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The GPU part of a preflight: gpus, no_gpu (why there is none), torch (kernels per GPU), gpu_env, gpu_error.
+    """The GPU part of a preflight: gpus, no_gpu (why there is none), torch (kernels per GPU), and the
+    GPUs a run would get now (gpu_env, gpu_skipped with each reason) or why it could not (gpu_error).
 
     `torch_probe`: torch's version, CUDA and arch list, if known (else torch_kernels asks this Python)."""
+    from tether.remote import gpuchoice
+
     try:
-        found = gpus()
-    except NoGpu as err:
-        wanted = str(settings.get("gpus"))
-        if wanted != "auto":  # the config names GPUs: training on the CPU is not what it asked for
-            return {"gpus": [], "gpu_error": "gpus %r names GPUs, but %s: fix the driver, or set gpus: auto "
-                                             "to train on the CPU" % (wanted, err)}
-        return {"gpus": [], "no_gpu": str(err)}
-    except RuntimeError as err:
-        return {"gpu_error": NVIDIA_SMI_FIX % err}
-    result: Dict[str, Any] = {"gpus": found}
-    usable = None
+        found, no_gpu = gpuchoice.looked_up(settings)
+    except ValueError as err:
+        return {"gpu_error": str(err)}
+    result: Dict[str, Any] = dict({"gpus": found}, **({"no_gpu": no_gpu} if no_gpu else {}))
+    usable, no_kernels = None, {}  # type: Optional[Set[int]], Dict[int, str]
     if found and torch_needed:
         result["torch"] = torch_kernels(found, torch_probe)
         usable = set(result["torch"].get("usable", [g["index"] for g in found]))  # a GPU without kernels is skipped
-    if settings.get("remote_dir"):
-        _remember_usable(settings["remote_dir"], found or [], usable)
-    try:
-        result["gpu_env"] = gpu_env(settings, found or [], usable)  # [] : do not ask nvidia-smi again
-    except ValueError as err:
-        result["gpu_error"] = str(err)
+        no_kernels = {v["index"]: v["reason"] for v in result["torch"].get("gpus", []) if not v["ok"]}
+    remote_dir = settings.get("remote_dir")
+    if remote_dir:
+        _remember_usable(remote_dir, found or [], usable, no_kernels)
+    leased = gpuchoice.leased_to(remote_dir) if found and remote_dir else {}
+    choice = gpuchoice.choose(gpuchoice.Ask.of(settings), found, no_gpu, no_kernels, leased)
+    result.update(gpu_env=choice.env(), gpu_skipped={str(i): why for i, why in choice.skipped.items()})
+    if choice.error:
+        result["gpu_error"] = choice.error
     return result

@@ -158,6 +158,7 @@ class Preflight:
     missing_modules: List[str] = field(default_factory=list)
     gpus: Optional[List[Dict[str, Any]]] = None
     gpu_env: Dict[str, str] = field(default_factory=dict)
+    gpu_skipped: Dict[str, str] = field(default_factory=dict)  # GPU index -> why a run would not get it now
     gpu_error: Optional[str] = None
     no_gpu: Optional[str] = None
     torch: Optional[Dict[str, Any]] = None

@@ -32,7 +32,8 @@ FOR_GOOD = ("completed",)
 SEALED_FILES = ("run.json", "tree.json", "state.json", "events.jsonl", "train.log")
 PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested", "notify.json",
                  "PULL_MANIFEST.json", "PULL_MANIFEST.attempt-*.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out",
-                 "read_at", "readers.lock", "idle.json")  # the last three: a rented box's meter (tether.remote.idle)
+                 "read_at", "readers.lock", "idle.json",  # these three: a rented box's meter (tether.remote.idle)
+                 "gpu_request.json")  # the launch's GPU settings (tether.remote.gpuchoice)
 TETHER_FILES = SEALED_FILES + PRIVATE_FILES
 MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem
 MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob

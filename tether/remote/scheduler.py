@@ -173,15 +173,16 @@ def _record_job(run_dir: str, job_id: str, flags: List[str], known: Dict[str, An
 
 
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
-    """scancel --full --signal=TERM, then plain scancel after grace_s; report what really happened."""
+    """SIGTERM to the job's script and to its steps' tasks, plain scancel after grace_s; report what happened."""
     job_id = job_of(run_dir)
     if not job_id or not (queue([job_id]) or {}).get(job_id):
         return {"outcome": "was not running", "job_id": job_id}
     atomic_write_json(os.path.join(run_dir, "stop_requested"), {"at": time.time()})
     if (queue([job_id]) or {}).get(job_id, {}).get("state") in QUEUED:
         _run(["scancel", job_id])  # nothing runs yet: no one to warn (and TERM is refused for it)
-    else:
-        _run(["scancel", "--full", "--signal=TERM", job_id])
+    else:  # not --full: srun, in the batch step, would turn its TERM into a SIGKILL of every task
+        _run(["scancel", "--batch", "--signal=TERM", job_id])  # job.sh -> launcher -> trainer (nodes.py)
+        _run(["scancel", "--signal=TERM", job_id])  # and every task of a srun step, directly
     deadline = time.time() + grace_s
     while time.time() < deadline and (queue([job_id]) or {}).get(job_id):
         time.sleep(0.5)

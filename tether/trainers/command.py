@@ -24,6 +24,8 @@ class Config:
     where it runs: a file (out/ckpt.pt), a folder, or a glob in its last part
     (outputs/checkpoint-*: the newest complete match). It is kept with the run and restored
     before a resume.
+    `requires` lists the Python modules the far side must have (checked before launch; with torch,
+    also whether it has kernels for each GPU).
     `progress` (a preset, `tqdm` or `dict`, or a regex with a (?P<step>...) group) reads step
     events from the script's own output; `total_steps` is a number or the name of a group.
     """
@@ -35,10 +37,11 @@ class Config:
     env: dict = field(default_factory=dict)
     progress: Optional[str] = None
     total_steps: Union[int, str, None] = None
+    requires: tuple[str, ...] = ()  # modules the far side must have; with torch, check asks for kernels per GPU
 
-    def requires(self) -> tuple[str, ...]:
-        """Python modules the far side must have (the command's own needs are its business)."""
-        return ()
+    def __post_init__(self) -> None:
+        # `requires` is both the key and every trainer's requires() (the modules `check` looks for)
+        object.__setattr__(self, "requires", Modules(self.requires))
 
     def argv(self) -> list[str]:
         """The command's words, split as a POSIX shell would; ConfigError for unbalanced quotes."""
@@ -90,7 +93,16 @@ class Config:
             found += [p for p in [checkpoint_problem(self.checkpoint)] if p]
         if self.resume_args and not self.checkpoint and not any("{checkpoint}" in a for a in self.resume_args):
             found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
+        found += [f"trainer.requires: {m!r} is not a module name: give what the script imports, e.g. torch"
+                  for m in self.requires if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", m)]
         return found + progress.problems(self.progress, self.total_steps)
+
+
+class Modules(tuple):
+    """The `requires:` list, which is also called as the trainer's `requires()`."""
+
+    def __call__(self) -> tuple[str, ...]:
+        return tuple(self)
 
 
 def checkpoint_problem(path: str) -> str:

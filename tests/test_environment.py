@@ -1,4 +1,4 @@
-"""The job's environment: a real venv built by real pip from a requirements file, on local and over ssh.
+"""The job's environment: a real venv built by real pip, on local, over ssh and for a real SLURM job.
 
 pip needs no network here: each test writes a tiny wheel into its tmp folder and points pip at it
 (PIP_NO_INDEX, PIP_FIND_LINKS): on local through the environment tether runs in, over ssh through

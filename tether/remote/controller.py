@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, idle, notify, objects, progress, resume as resuming
+from tether.remote import endings, idle, notify, objects, progress, ranks, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
@@ -102,12 +102,13 @@ class Controller:
         except resuming.SourceError as err:
             return self._ended_before_start(attempt, resume_error=str(err))
         resume = _resume_point(run_dir, spec)
-        argv = _trainer_command(spec, resume)
+        env = _trainer_env(run_dir, spec, resume)
+        argv = _trainer_command(spec, resume, env)
         with open(run_file(run_dir, "train.log"), "ab") as log:
             offset = os.fstat(log.fileno()).st_size  # where this attempt's output starts
             try:
                 child = subprocess.Popen(
-                    argv, cwd=work_dir(run_dir), env=_trainer_env(run_dir, spec, resume),
+                    argv, cwd=work_dir(run_dir), env=env,
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True, pass_fds=(self.lock,),  # the trainer keeps the run "alive"
                     preexec_fn=objects.no_write_override(),  # a root trainer obeys the objects' 0444 too
@@ -131,6 +132,7 @@ class Controller:
         oom_before = endings.oom_kills()  # an OOM kill during the attempt raises the cgroup's count
         returncode, verdict = self._wait(child, Watchdog(run_dir, self.controls, state["wall_since"]))
         killpg(child.pid, signal.SIGKILL)  # leftover children (dataloader workers) go with it
+        returncode = ranks.settle(run_dir, spec, child.pid, returncode)  # torchrun: no rank left; read as one script
         self.supervisor.detach()
         if tail:
             tail.finish()  # its last events land before "exit" and before the seal reads events.jsonl
@@ -269,10 +271,11 @@ def _launcher_failed(run_dir: str, err: Exception, supervisor: Supervisor,
 # ---------------------------------------------------------------- the trainer's command and checkpoints
 
 
-def _trainer_command(spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
+def _trainer_command(spec: Dict[str, Any], resume: Optional[str], env: Optional[Dict[str, str]] = None) -> List[str]:
     argv = [sys.executable if a == "{python}" else a for a in spec["argv"]]
     if resume:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
+    argv = ranks.command(argv, spec, env or {})  # `processes`: under torchrun, on this host
     srun = os.environ.get("TETHER_SRUN")  # job.sh of a multi-node SLURM job: one trainer per node
     return srun.split() + argv if srun else argv
 

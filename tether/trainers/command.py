@@ -13,6 +13,7 @@ from tether.remote import progress
 
 RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
 MAGIC = re.compile(r"[*?[]")  # what makes a path part a glob (as the far side reads it)
+PYTHON = re.compile(r"\{python\}|python(3(\.\d+)?)?")  # what torchrun's workers may be started with
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Config:
     before a resume.
     `progress` (a preset, `tqdm` or `dict`, or a regex with a (?P<step>...) group) reads step
     events from the script's own output; `total_steps` is a number or the name of a group.
+    `processes` (above 1, or `auto`: one per GPU the run got) starts it under torchrun on the far
+    side (tether.remote.ranks); 1 runs it as it is.
     """
 
     command: Union[str, tuple[str, ...]]
@@ -35,10 +38,11 @@ class Config:
     env: dict = field(default_factory=dict)
     progress: Optional[str] = None
     total_steps: Union[int, str, None] = None
+    processes: Union[int, str] = 1
 
     def requires(self) -> tuple[str, ...]:
-        """Python modules the far side must have (the command's own needs are its business)."""
-        return ()
+        """Python modules the far side must have (the command's own needs are its business; torchrun's are ours)."""
+        return ("torch",) if self.processes != 1 else ()
 
     def argv(self) -> list[str]:
         """The command's words, split as a POSIX shell would; ConfigError for unbalanced quotes."""
@@ -57,6 +61,8 @@ class Config:
                 "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
         if self.progress:  # only when set: the run.json (and id) of a run without it stays as it was
             spec.update(progress=self.progress, total_steps=self.total_steps)
+        if self.processes != 1:  # likewise
+            spec["processes"] = self.processes
         return spec
 
     def sweep_problems(self, keys: list[str]) -> list[str]:
@@ -90,7 +96,22 @@ class Config:
             found += [p for p in [checkpoint_problem(self.checkpoint)] if p]
         if self.resume_args and not self.checkpoint and not any("{checkpoint}" in a for a in self.resume_args):
             found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
-        return found + progress.problems(self.progress, self.total_steps)
+        return found + progress.problems(self.progress, self.total_steps) + processes_problems(self.processes, argv)
+
+
+def processes_problems(processes: Union[int, str], argv: list[str]) -> list[str]:
+    """What keeps `trainer.processes` from starting the command under torchrun (empty when nothing does)."""
+    if processes == 1:
+        return []
+    if isinstance(processes, str) and processes != "auto" or isinstance(processes, int) and processes < 1:
+        return [f"trainer.processes must be a number of processes (1 or more) or auto (one per GPU the run "
+                f"got), got {processes!r}"]
+    script = len(argv) >= 2 and (argv[1] == "-m" and len(argv) >= 3 or not argv[1].startswith("-"))
+    if argv and PYTHON.fullmatch(argv[0].rsplit("/", 1)[-1]) and script:
+        return []
+    return [f"trainer.processes: {processes} runs the command under torchrun, which starts a Python script or "
+            f"module: write the command as \"{{python}} SCRIPT ...\" or \"{{python}} -m MODULE ...\" "
+            f"(got {' '.join(argv)!r})"]
 
 
 def checkpoint_problem(path: str) -> str:

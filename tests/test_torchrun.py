@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--every", type=int, default=3)
-parser.add_argument("--sleep", type=float, default=0.05)
+parser.add_argument("--sleep", type=float, default=0.1)
 parser.add_argument("--resume", default="")
 args = parser.parse_args()
 
@@ -97,7 +97,8 @@ TRAINER = """\
   progress: 'step (?P<step>\\\\d+)/(?P<total>\\\\d+) loss (?P<loss>\\\\S+)'
   total_steps: total
 """
-STEPS = 24
+STEPS = 60  # 6 s of steps in all: a stop asked for after 2 steps always comes before the end
+GRACE = 20  # each rank's checkpoint and exit, with room for a loaded machine (torchrun SIGKILLs after it)
 
 
 def use_ddp(project, text: str) -> None:
@@ -134,10 +135,19 @@ def printed(run_dir: Path) -> list[int]:
     return [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step ")]
 
 
-def wait_running_past(project, run_dir: Path, step: int, attempt: int) -> None:
+def steps_of_attempt(run_dir: Path, attempt: int) -> int:
+    """How many steps rank 0 printed in attempt `attempt` (its lines follow its "rank 0 of" line)."""
+    try:
+        parts = (run_dir / "train.log").read_text().split("rank 0 of 2 starts at step")
+    except FileNotFoundError:
+        return 0
+    return sum(line.startswith("step ") for line in parts[attempt].splitlines()) if len(parts) > attempt else 0
+
+
+def wait_running_past(project, run_dir: Path, steps: int, attempt: int) -> None:
     project.wait_for(lambda: (run_dir / "state.json").exists() and far(run_dir, "state.json")["status"] == "running"
-                     and far(run_dir, "state.json")["attempt"] == attempt and printed(run_dir)
-                     and printed(run_dir)[-1] >= step, timeout=90, what=f"attempt {attempt} past step {step}")
+                     and steps_of_attempt(run_dir, attempt) >= steps, timeout=90,
+                     what=f"{steps} steps of attempt {attempt}")
 
 
 def assert_attempt_ended(run_dir: Path, attempt: int, status: str) -> int:
@@ -167,12 +177,12 @@ def assert_ran_as(run_dir: Path, resumed: list[int]) -> None:
 
 def stop_then_train(project, run_dir: Path, attempt: int) -> int:
     """`doit stop` mid-attempt: stopped, both ranks checkpointed; the step of the kept checkpoint."""
-    wait_running_past(project, run_dir, 4, attempt)
+    wait_running_past(project, run_dir, 2, attempt)
     stopped = project.doit("stop", timeout=60)
     assert stopped.returncode == 0 and ": stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     assert far(run_dir, "state.json")["status"] == "stopped"
     step = assert_attempt_ended(run_dir, attempt, "stopped")
-    assert 3 <= step < STEPS, step
+    assert 1 <= step < STEPS, step
     again = project.doit("run", "train", timeout=180)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"attempt {attempt + 1}" in again.stderr, again.stderr
@@ -190,12 +200,12 @@ def assert_completed_and_verified(project, run_dir: Path) -> None:
 
 
 def test_torchrun_locally_preempted_restarts_then_stop_and_train_resume_from_rank_0s_checkpoint(project):
-    use_ddp(project, config_text())
+    use_ddp(project, config_text(grace=GRACE))
     doit = Background(project.start("run", "train"))
     try:
         project.wait_for(lambda: project.run_ids(), what="the run")
         run_dir = project.remote_run()
-        wait_running_past(project, run_dir, 4, 1)
+        wait_running_past(project, run_dir, 2, 1)
         os.kill(far(run_dir, "state.json")["pgid"], signal.SIGTERM)  # to torchrun, as a preemption would
         wait_running_past(project, run_dir, 1, 2)  # the far side restarted it by itself
         preempted = assert_attempt_ended(run_dir, 1, "preempted")
@@ -209,7 +219,7 @@ def test_torchrun_locally_preempted_restarts_then_stop_and_train_resume_from_ran
 
 def test_torchrun_over_ssh_stop_then_train_resumes(project, sshd, tmp_path):
     remote = tmp_path / "far"
-    use_ddp(project, ssh_config_text(sshd, remote))
+    use_ddp(project, ssh_config_text(sshd, remote).replace("grace_seconds: 5", f"grace_seconds: {GRACE}"))
     try:
         project.doit("run", "launch", check=True, timeout=120)
         run_dir = remote / "runs" / project.run_ids()[0]

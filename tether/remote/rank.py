@@ -91,7 +91,8 @@ class Rank:
 
     def _record(self, **fields: Any) -> None:
         atomic_write_json(record_path(self.run_dir, self.rank),
-                          dict(fields, rank=self.rank, torchrun_pid=self.parent, pgid=os.getpgid(0)))
+                          dict(fields, rank=self.rank, torchrun_pid=self.parent, pgid=os.getpgid(0),
+                               world_size=int(os.environ.get("WORLD_SIZE") or 1)))
 
     def _copy_tail(self, code: int) -> None:
         """A failing rank's last lines into train.log (this process's stderr), so the failure shows them."""

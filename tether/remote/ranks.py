@@ -91,11 +91,14 @@ def attempt_code(torchrun_code: Optional[int], ranks: List[Dict[str, Any]]) -> O
     """The exit code one script would have given: the first rank to fail, else torchrun's own.
 
     A rank whose record has no exit was killed with its rank process (SIGKILL); when one rank
-    crashes torchrun ends the others, so the earliest failure is the cause, not the rest.
+    crashes torchrun ends the others, so the earliest failure is the cause, not the rest. When
+    every rank finished (exit 0), so did the attempt, whatever torchrun's own exit.
     """
     failed = sorted((r for r in ranks if r.get("exit") not in (0, None)), key=lambda r: float(r.get("ended") or 0))
     if failed:
         return int(failed[0]["exit"])
+    if ranks and all(r.get("exit") == 0 for r in ranks) and len(ranks) == int(ranks[0].get("world_size") or 0):
+        return 0  # every rank finished its work: a signal that reached torchrun afterwards changes nothing
     if torchrun_code and any(r.get("exit") is None for r in ranks):
         return -signal.SIGKILL
     return torchrun_code

@@ -99,7 +99,7 @@ TRAINER = """\
   progress: 'step (?P<step>\\d+)/(?P<total>\\d+) loss (?P<loss>\\S+)'
   total_steps: total
 """
-STEPS = 40  # 2-4 s of steps: a stop asked for after 2 steps comes well before the end (in about 1 s)
+STEPS = 30  # about 3 s of steps: a stop asked for after 2 steps comes well before the end (in about 1 s)
 GRACE = 20  # each rank's checkpoint and exit, with room for a loaded machine (torchrun SIGKILLs after it)
 
 

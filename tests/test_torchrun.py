@@ -295,13 +295,18 @@ def shim(tmp_path: Path, rank_id: int, code: str, **kwargs) -> subprocess.Comple
 
 def test_a_rank_keeps_its_output_apart_and_records_how_it_ended(tmp_path):
     failed = shim(tmp_path, 1, "import sys; print('rank one works'); sys.exit('rank one broke')")
-    assert failed.returncode == 1 and failed.stdout == "", failed
-    assert "tether: rank 1 ended with exit code 1; its last lines (ranks/rank-1.log):" in failed.stderr
-    assert "  rank one broke" in failed.stderr  # the failure reaches train.log (torchrun's stderr there)
+    assert failed.returncode == 1 and failed.stdout == failed.stderr == "", failed  # not in train.log
     own = (tmp_path / "ranks" / "rank-1.log").read_text()
     assert "rank one works" in own and "rank one broke" in own
     record = json.loads((tmp_path / "ranks" / "rank-1.json").read_text())
-    assert (record["exit"], record["rank"], record["torchrun_pid"]) == (1, 1, os.getpid())
+    assert (record["exit"], record["rank"], record["torchrun_pid"], record["world_size"]) == (1, 1, os.getpid(), 2)
+    (tmp_path / "train.log").write_bytes(b"torchrun's own report\n")
+    assert ranks.settle(str(tmp_path), {"processes": 2}, os.getpid(), 1) == 1  # (rank 0's record: none yet)
+    log = (tmp_path / "train.log").read_text()  # the failure message shows train.log's last lines: these
+    assert log.endswith("tether: rank 1 failed first (exit code 1); the end of its output (ranks/rank-1.log):\n"
+                        "  --- rank 1, torchrun pid %d, %s\n  rank one works\n  rank one broke\n"
+                        % (os.getpid(), own.split(", ")[2].split("\n")[0])), log
+    assert events(tmp_path, "ranks")[-1]["exits"] == {"1": 1}
     killed = shim(tmp_path, 0, "import os, signal; print('rank zero'); os.kill(os.getpid(), signal.SIGKILL)")
     assert killed.returncode == -signal.SIGKILL and killed.stdout == "rank zero\n", killed  # as the script died
     assert json.loads((tmp_path / "ranks" / "rank-0.json").read_text())["exit"] == -signal.SIGKILL

@@ -6,8 +6,8 @@ own; this process starts the script in its process group (so a signal torchrun s
 os.killpg reaches the script and the script's own children) and waits for it:
 
 - rank 0's output goes to the trainer's own output (train.log), so progress is read from one stream;
-  every other rank writes ranks/rank-R.log, and a rank that fails (not on a signal, not 75 after a
-  checkpoint) copies its last lines into train.log, where the run's failure message finds them;
+  every other rank's goes to ranks/rank-R.log (tether.remote.ranks copies a failing rank's last lines
+  into train.log);
 - ranks/rank-R.json says the rank's pid, torchrun's pid, and when and how the script ended (the exit
   code, negative for a signal): what tether.remote.ranks reads to classify the attempt's end;
 - when torchrun is gone (killed outright) the script gets SIGTERM unless a signal already came, then
@@ -26,11 +26,9 @@ from typing import Any, List, Optional
 
 from tether.remote.fileio import atomic_write_json
 from tether.remote.rundir import event
-from tether.remote.runtime import PREEMPTED_EXIT
 
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
 PARENT_POLL_S = 0.5  # how soon a rank notices that torchrun is gone
-TAIL_LINES = 20  # a failing rank's last lines copied into train.log
 
 
 def folder(run_dir: str) -> str:
@@ -75,8 +73,6 @@ class Rank:
         self._record(pid=child.pid, started=started, exit=code, ended=time.time(), signal_seen=self.signalled or None)
         if out is not None:
             out.close()
-            if code not in (0, PREEMPTED_EXIT) and not self.signalled:  # a failure, not the end it was asked for
-                self._copy_tail(code)
         return code
 
     def _own_log(self) -> Optional[Any]:
@@ -93,16 +89,6 @@ class Rank:
         atomic_write_json(record_path(self.run_dir, self.rank),
                           dict(fields, rank=self.rank, torchrun_pid=self.parent, pgid=os.getpgid(0),
                                world_size=int(os.environ.get("WORLD_SIZE") or 1)))
-
-    def _copy_tail(self, code: int) -> None:
-        """A failing rank's last lines into train.log (this process's stderr), so the failure shows them."""
-        with open(log_path(self.run_dir, self.rank), "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
-            lines = f.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
-        how = "signal %d" % -code if code < 0 else "exit code %d" % code
-        sys.stderr.write("tether: rank %d ended with %s; its last lines (ranks/rank-%d.log):\n%s\n"
-                         % (self.rank, how, self.rank, "\n".join("  " + line for line in lines)))
-        sys.stderr.flush()
 
     def _watch_parent(self, child: "subprocess.Popen[bytes]") -> None:
         """torchrun gone before the script: ask the script to checkpoint and exit, SIGKILL after the grace."""

@@ -27,12 +27,14 @@ import time
 from typing import Any, Dict, List, Mapping, Optional
 
 from tether.remote.fileio import read_json
-from tether.remote.rank import folder
+from tether.remote.rank import folder, log_path
 from tether.remote.rundir import event
+from tether.remote.runtime import PREEMPTED_EXIT
 from tether.remote.supervise import group_members, killpg
 
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's own four, and SLURM's "checkpoint now" USR1
 HOST = "127.0.0.1"  # one host: the rendezvous never leaves it
+TAIL_LINES, TAIL_BYTES = 15, 16384  # a failing rank's last lines, under torchrun's own report in train.log
 
 
 def wanted(spec: Mapping[str, Any]) -> bool:
@@ -127,4 +129,32 @@ def settle(run_dir: str, spec: Mapping[str, Any], torchrun_pid: int, torchrun_co
     code = attempt_code(torchrun_code, ranks)
     event(run_dir, "ranks", processes=len(ranks), torchrun_exit=torchrun_code, exit_code=code,
           exits={str(r.get("rank")): r.get("exit") for r in ranks})
+    _tell_failure(run_dir, ranks)
     return code
+
+
+def _tell_failure(run_dir: str, ranks: List[Dict[str, Any]]) -> None:
+    """The first rank that failed by itself (no signal asked it to end, not 75 after a checkpoint): its
+    last lines at the end of train.log, below torchrun's own report, where the run's failure message reads."""
+    failed = sorted((r for r in ranks if r.get("exit") not in (0, None, PREEMPTED_EXIT) and not r.get("signal_seen")),
+                    key=lambda r: float(r.get("ended") or 0))
+    if not failed:
+        return
+    first, code = int(failed[0]["rank"]), int(failed[0]["exit"])
+    how = "signal %d" % -code if code < 0 else "exit code %d" % code
+    if first == 0:
+        text = "tether: rank 0 failed first (%s); its output is above\n" % how
+    else:
+        text = "tether: rank %d failed first (%s); the end of its output (ranks/rank-%d.log):\n%s\n" % (
+            first, how, first, "\n".join("  " + line for line in _last_lines(log_path(run_dir, first))))
+    with open(os.path.join(run_dir, "train.log"), "ab") as f:
+        f.write(text.encode())
+
+
+def _last_lines(path: str) -> List[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - TAIL_BYTES))
+            return f.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
+    except OSError as err:
+        return ["(unreadable: %s)" % err]

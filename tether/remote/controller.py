@@ -9,6 +9,7 @@ events.jsonl, and decides what happens when an attempt ends, from run.json's spe
   job requeues itself instead. The lock is held throughout, so no one else starts a duplicate;
 - `max_wall_seconds` (counted from the run's first start, restarts included) and
   `stall_timeout_s` (tether.remote.watchdog) end an attempt: checkpoint signal, grace, SIGKILL;
+- `processes` (tether.remote.ranks): the trainer under torchrun, the attempt's end read from its ranks;
 - notifications (tether.remote.notify) on the run's ends and restarts, after the seal;
 - the box's idle stop (tether.remote.idle), once the run is sealed and its lock released.
 """

@@ -173,7 +173,7 @@ def test_load_number_refuses_non_numbers(project, value):
     ('  command: "{python} demo/train.py --epochs 3"',
      '  command: "{python} demo/train.py --epochs 3"\n  resume_arg: [--resume]', "resume_arg",
      "unknown key 'resume_arg' in trainer (type command) (did you mean 'resume_args'?); "
-     "valid keys: checkpoint, command, env, progress, requires, resume_args, total_steps, type"),
+     "valid keys: checkpoint, command, env, processes, progress, requires, resume_args, total_steps, type"),
     ("artifacts:", "artifcats:", "artifcats",
      "unknown key 'artifcats' in the job (did you mean 'artifacts'?); valid keys: " + JOB_KEYS),
 ], ids=["backend-pyhton", "checkpoint-kep-flow", "checkpoint-kep-block", "trainer-resume_arg", "top-artifcats"])

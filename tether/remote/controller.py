@@ -9,6 +9,7 @@ events.jsonl, and decides what happens when an attempt ends, from run.json's spe
   job requeues itself instead. The lock is held throughout, so no one else starts a duplicate;
 - `max_wall_seconds` (counted from the run's first start, restarts included) and
   `stall_timeout_s` (tether.remote.watchdog) end an attempt: checkpoint signal, grace, SIGKILL;
+- `processes` (tether.remote.ranks): the trainer under torchrun, the attempt's end read from its ranks;
 - notifications (tether.remote.notify) on the run's ends and restarts, after the seal;
 - the box's idle stop (tether.remote.idle), once the run is sealed and its lock released.
 """
@@ -23,7 +24,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, environment, gpuchoice, idle, notify, objects, progress, resume as resuming
+from tether.remote import endings, environment, gpuchoice, idle, notify, objects, progress, ranks, resume as resuming
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
 from tether.remote import nodes  # a multi-node SLURM job's srun step
@@ -109,12 +110,13 @@ class Controller:
         except resuming.SourceError as err:
             return self._ended_before_start(attempt, resume_error=str(err))
         resume = _resume_point(run_dir, spec)
-        argv = _trainer_command(spec, resume)
+        env = _trainer_env(run_dir, spec, resume)
+        argv = _trainer_command(spec, resume, env)
         with open(run_file(run_dir, "train.log"), "ab") as log:
             offset = os.fstat(log.fileno()).st_size  # where this attempt's output starts
             try:
                 child = subprocess.Popen(
-                    argv, cwd=work_dir(run_dir), env=_trainer_env(run_dir, spec, resume),
+                    argv, cwd=work_dir(run_dir), env=env,
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True, pass_fds=(self.lock,),  # the trainer keeps the run "alive"
                     preexec_fn=objects.no_write_override(),  # a root trainer obeys the objects' 0444 too
@@ -138,6 +140,7 @@ class Controller:
         oom_before = endings.oom_kills()  # an OOM kill during the attempt raises the cgroup's count
         returncode, verdict = self._wait(child, Watchdog(run_dir, self.controls, state["wall_since"]))
         killpg(child.pid, signal.SIGKILL)  # leftover children (dataloader workers) go with it
+        returncode = ranks.settle(run_dir, spec, child.pid, returncode)  # torchrun: no rank left; read as one script
         self.supervisor.detach()
         if tail:
             tail.finish()  # its last events land before "exit" and before the seal reads events.jsonl
@@ -276,10 +279,11 @@ def _launcher_failed(run_dir: str, err: Exception, supervisor: Supervisor,
 # ---------------------------------------------------------------- the trainer's command and checkpoints
 
 
-def _trainer_command(spec: Dict[str, Any], resume: Optional[str]) -> List[str]:
+def _trainer_command(spec: Dict[str, Any], resume: Optional[str], env: Optional[Dict[str, str]] = None) -> List[str]:
     argv = [sys.executable if a == "{python}" else a for a in spec["argv"]]
     if resume:
         argv += [a.replace("{checkpoint}", resume) for a in spec.get("resume_args", [])]
+    argv = ranks.command(argv, spec, env or {})  # `processes`: under torchrun, on this host
     argv = environment.with_setup(argv, spec)  # the job's setup: lines first (a SLURM job.sh ran them itself)
     srun = os.environ.get("TETHER_SRUN")  # job.sh of a multi-node SLURM job: one trainer per node
     return nodes.step_command(srun, argv) if srun else argv  # (a torchrun per node: wrap argv above this)

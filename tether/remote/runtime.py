@@ -13,6 +13,9 @@ Scripts import it as `tether.trainers.runtime` (a re-export of this module, ship
 
 SIGTERM and SIGUSR1 mean "checkpoint now and exit": call `stop_signal()` once, check
 `.requested` in the loop, save, and `sys.exit(PREEMPTED_EXIT)`.
+
+Under torchrun (`trainer.processes`) every rank may call these: only rank 0's events and
+checkpoints count, so `log` and `save_checkpoint` do nothing on the others (RANK above 0).
 """
 
 from __future__ import annotations
@@ -39,8 +42,15 @@ def _env(name: str) -> str:
     return value
 
 
+def _other_rank() -> bool:
+    """Whether this process is a rank of several other than rank 0 (torchrun sets RANK)."""
+    return (os.environ.get("RANK") or "0").strip() not in ("", "0")
+
+
 def log(event: str = "step", **fields: Any) -> None:
-    """Append one event (a JSON object on one line, with a timestamp) to events.jsonl."""
+    """Append one event (a JSON object on one line, with a timestamp) to events.jsonl (rank 0 only)."""
+    if _other_rank():
+        return
     record = {"event": event, "t": round(time.time(), 3)}
     record.update(fields)
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
@@ -73,9 +83,12 @@ def resume_from() -> Optional[str]:
 
 
 def save_checkpoint(write: Callable[[BinaryIO], None], step: int, keep: Optional[int] = None) -> str:
-    """Save a checkpoint through `write(file)` atomically, keep the newest `keep`, log it."""
+    """Save a checkpoint through `write(file)` atomically, keep the newest `keep`, log it; on a rank
+    other than 0, only the path rank 0 writes (nothing is written)."""
     folder = _env("TETHER_CHECKPOINT_DIR")
     path = os.path.join(folder, "ckpt-%012d.ckpt" % step)
+    if _other_rank():
+        return path
     atomic_write(path, write)
     keep = keep or int(os.environ.get("TETHER_CHECKPOINT_KEEP", "3"))
     others = [p for p in checkpoints(folder) if p != path]  # never the one just written

@@ -13,6 +13,7 @@ from tether.remote import progress
 
 RESERVED = ("python", "checkpoint")  # placeholders the launcher fills on the far side
 MAGIC = re.compile(r"[*?[]")  # what makes a path part a glob (as the far side reads it)
+PYTHON = re.compile(r"\{python\}|python(3(\.\d+)?)?")  # what torchrun's workers may be started with
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Config:
     also whether it has kernels for each GPU).
     `progress` (a preset, `tqdm` or `dict`, or a regex with a (?P<step>...) group) reads step
     events from the script's own output; `total_steps` is a number or the name of a group.
+    `processes` (above 1, or `auto`: one per GPU the run got) starts it under torchrun on the far
+    side (tether.remote.ranks); 1 runs it as it is.
     """
 
     command: Union[str, tuple[str, ...]]
@@ -38,10 +41,12 @@ class Config:
     progress: Optional[str] = None
     total_steps: Union[int, str, None] = None
     requires: tuple[str, ...] = ()  # modules the far side must have; with torch, check asks for kernels per GPU
+    processes: Union[int, str] = 1
 
     def __post_init__(self) -> None:
-        # `requires` is both the key and every trainer's requires() (the modules `check` looks for)
-        object.__setattr__(self, "requires", Modules(self.requires))
+        # `requires` is both the key and every trainer's requires() (the modules `check` looks for);
+        # torchrun (processes above 1) needs torch whatever the list says
+        object.__setattr__(self, "requires", Modules(self.requires, ("torch",) if self.processes != 1 else ()))
 
     def argv(self) -> list[str]:
         """The command's words, split as a POSIX shell would; ConfigError for unbalanced quotes."""
@@ -60,6 +65,8 @@ class Config:
                 "checkpoint_path": self.checkpoint, "env": {str(k): str(v) for k, v in self.env.items()}}
         if self.progress:  # only when set: the run.json (and id) of a run without it stays as it was
             spec.update(progress=self.progress, total_steps=self.total_steps)
+        if self.processes != 1:  # likewise
+            spec["processes"] = self.processes
         return spec
 
     def sweep_problems(self, keys: list[str]) -> list[str]:
@@ -95,14 +102,35 @@ class Config:
             found.append("trainer.resume_args never mention {checkpoint}: the script cannot know where to resume from")
         found += [f"trainer.requires: {m!r} is not a module name: give what the script imports, e.g. torch"
                   for m in self.requires if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", m)]
-        return found + progress.problems(self.progress, self.total_steps)
+        return found + progress.problems(self.progress, self.total_steps) + processes_problems(self.processes, argv)
+
+
+def processes_problems(processes: Union[int, str], argv: list[str]) -> list[str]:
+    """What keeps `trainer.processes` from starting the command under torchrun (empty when nothing does)."""
+    if processes == 1:
+        return []
+    if isinstance(processes, str) and processes != "auto" or isinstance(processes, int) and processes < 1:
+        return [f"trainer.processes must be a number of processes (1 or more) or auto (one per GPU the run "
+                f"got), got {processes!r}"]
+    script = len(argv) >= 2 and (argv[1] == "-m" and len(argv) >= 3 or not argv[1].startswith("-"))
+    if argv and PYTHON.fullmatch(argv[0].rsplit("/", 1)[-1]) and script:
+        return []
+    return [f"trainer.processes: {processes} runs the command under torchrun, which starts a Python script or "
+            f"module: write the command as \"{{python}} SCRIPT ...\" or \"{{python}} -m MODULE ...\" "
+            f"(got {' '.join(argv)!r})"]
 
 
 class Modules(tuple):
-    """The `requires:` list, which is also called as the trainer's `requires()`."""
+    """The `requires:` list (what equality and the run's identity see), which is also called as the
+    trainer's `requires()`: the list plus the modules tether's own launch needs (`needed`)."""
+
+    def __new__(cls, names: tuple[str, ...] = (), needed: tuple[str, ...] = ()) -> "Modules":
+        modules = super().__new__(cls, names)
+        modules.needed = tuple(m for m in needed if m not in names)
+        return modules
 
     def __call__(self) -> tuple[str, ...]:
-        return tuple(self)
+        return tuple(self) + self.needed
 
 
 def checkpoint_problem(path: str) -> str:

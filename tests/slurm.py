@@ -33,7 +33,7 @@ def _wait(check, seconds: float, what: str) -> None:
 class SlurmCluster:
     """munged + slurmctld + slurmd on this machine; `login` is an sshd whose sessions see SLURM_CONF."""
 
-    def __init__(self, base: Path, nodes: int = 1, cred_expire: int = 10, kill_wait: int = 5) -> None:
+    def __init__(self, base: Path, nodes: int = 1, cred_expire: int = 5, kill_wait: int = 5) -> None:
         self.base, self.cred_expire, self.kill_wait = base, cred_expire, kill_wait
         self.node = socket.gethostname().split(".")[0]
         self.nodes = [self.node] if nodes == 1 else [f"tether{i}" for i in range(1, nodes + 1)]

@@ -206,7 +206,7 @@ def test_sweep_is_one_job_array_and_a_new_seed_is_one_more(project, cluster, rem
         # the verified files are the ones the far side sealed
         local = project.local_run(run_id) / "files" / "artifacts" / "model.json"
         assert sha256(local) == sha256(remote / "runs" / run_id / "artifacts" / "model.json")
-    assert status_summary(project) == "2 points: 2 completed; 2 verified here"
+    assert status_summary(project) == "6 points: 6 completed; 6 verified here"
 
     # a fourth seed: only its two points are trained, as one more (two-element) array
     first_records = records

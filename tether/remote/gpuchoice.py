@@ -237,8 +237,10 @@ def _record(run_dir: str, choice: Choice, leased: List[int]) -> List[int]:
         return []
     env = dict(read_json(run_file(run_dir, "launch_env.json")) or {}, **choice.env())
     write_private(run_file(run_dir, "launch_env.json"), env)
+    refusal = (read_json(run_file(run_dir, "state.json")) or {}).get("refused")
+    cleared = {"launcher_error": None, "refused": None} if refusal else {}  # an earlier refusal is over
     update_state(run_dir, gpus=choice.indices, gpu_names=[g["name"] for g in choice.chosen],
-                 gpus_on_cpu=choice.cpu or None, launcher_error=None, refused=None)
+                 gpus_on_cpu=choice.cpu or None, **cleared)
     event(run_dir, "gpus", gpus=shown, cpu=choice.cpu or None, skipped=skipped, leased=leased,
           visible=choice.env().get("CUDA_VISIBLE_DEVICES"))
     return leased

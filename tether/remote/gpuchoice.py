@@ -101,10 +101,12 @@ def _reasons_text(skipped: Dict[int, str]) -> str:
     return "; ".join("%d: %s" % (i, why) for i, why in sorted(skipped.items()))
 
 
-def _fix(why: str) -> str:
-    """What to do about the reasons in `why` (leases, memory, kernels), and always: accept fewer."""
+def _fix(why: str, auto: bool = False) -> str:
+    """What to do about the reasons in `why` (leases, memory, kernels), and always: accept fewer (for
+    gpus: auto, which asks for one, that is the CPU)."""
     fixes = [fix for words, fix in FIXES if any(w in why for w in words)]
-    return ", ".join(fixes + ["or lower min_gpus"]) if fixes else NEED_FIX
+    fewer = "or set gpus: none to train on the CPU" if auto else "or lower min_gpus"
+    return ", ".join(fixes + [fewer]) if fixes else NEED_FIX
 
 
 def needs_text(need: int, ask: Ask, found: int, why: str, fix: str = "") -> str:
@@ -138,7 +140,8 @@ def choose(ask: Ask, found: Optional[List[Dict[str, Any]]], no_gpu: str = "",
     need = max(ask.min_gpus, 1) if ask.mode == "auto" else ask.min_gpus
     chosen = usable[:ask.count]
     if len(chosen) < need:
-        return Choice([], skipped, needs_text(need, ask, len(usable), _reasons_text(skipped)))
+        why = _reasons_text(skipped)
+        return Choice([], skipped, needs_text(need, ask, len(usable), why, _fix(why, ask.mode == "auto")))
     return Choice(chosen, skipped)
 
 

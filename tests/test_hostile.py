@@ -683,8 +683,8 @@ NVIDIA_SMI_CASES = [
                  "Failed to initialize NVML: Driver/library version mismatch", id="other-failures-say-why"),
     pytest.param("query-gpu-memory-gb10.txt", 0, "auto", 2000, False,
                  "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown): wait for memory to free up "
-                 "(or lower min_free_gpu_mb), or lower min_gpus (min_free_gpu_mb: 0 accepts a GPU whose "
-                 "free memory nvidia-smi cannot report)",
+                 "(or lower min_free_gpu_mb), or set gpus: none to train on the CPU (min_free_gpu_mb: 0 accepts "
+                 "a GPU whose free memory nvidia-smi cannot report)",
                  "needs 1 GPU(s) with ≥ 2000 MB free; found 0 (0: free memory unknown)",
                  id="na-memory-is-unknown-not-a-crash"),
     pytest.param("query-gpu-memory-gb10.txt", 0, "auto", 0, True,

@@ -120,3 +120,40 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+NVIDIA_SMI_DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
+NVIDIA_SMI_STAND_IN = """\
+#!/bin/sh
+# A stand-in for nvidia-smi (no GPU here): replays real captured output, see {data}/SOURCES.md
+case "$*" in
+  "{memory_query}") cat {data}/{memory}; exit {code} ;;
+  "{capability_query}") cat {data}/{capability}; exit {code} ;;
+esac
+echo "stand-in nvidia-smi: no captured output for: $*" >&2
+exit 2
+"""
+
+
+def replay_nvidia_smi(folder: Path, memory: str, code: int, capability: str) -> Path:
+    """Write `folder`/nvidia-smi, which prints these captured files (tether's two queries) and exits `code`."""
+    from tether.remote import machine
+
+    folder.mkdir(exist_ok=True)
+    script = folder / "nvidia-smi"
+    script.write_text(NVIDIA_SMI_STAND_IN.format(
+        data=NVIDIA_SMI_DATA, memory=memory, capability=capability, code=code,
+        memory_query=" ".join(machine.GPU_QUERY[1:]), capability_query=" ".join(machine.CAPABILITY_QUERY[1:])))
+    script.chmod(0o755)
+    return script
+
+
+def preflight_lines(found: dict, settings: dict) -> dict:
+    """The preflight's GPU lines, by name, as `doit check` shows them (from machine.check's answer,
+    typed as the client reads it)."""
+    from tether.backends.base import Report, _gpu_items
+    from tether.remote.protocol import Preflight
+
+    report = Report("lab")
+    _gpu_items(report, Preflight.of(found), settings)
+    return {item["check"]: item for item in report.items}

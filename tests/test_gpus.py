@@ -17,25 +17,13 @@ from pathlib import Path
 import pytest
 
 from backend_contract import wait_for
-from helpers import group
-from tether.backends.base import Report, _gpu_items
+from helpers import NVIDIA_SMI_DATA, group, preflight_lines, replay_nvidia_smi
 from tether.config import load
 from tether.errors import ConfigError
 from tether.remote import gpuchoice, launcher, leases, machine
-from tether.remote.protocol import Preflight
 
-DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
+DATA = NVIDIA_SMI_DATA
 HOSTS = sorted(p.name for p in DATA.glob("query-gpu-memory*.txt") if "-na" not in p.name and "gb10" not in p.name)
-STAND_IN = """\
-#!/bin/sh
-# A stand-in for nvidia-smi (no GPU here): replays real captured output, see {data}/SOURCES.md
-case "$*" in
-  "{memory_query}") cat {data}/{memory}; exit {code} ;;
-  "{capability_query}") cat {data}/{capability}; exit {code} ;;
-esac
-echo "stand-in nvidia-smi: no captured output for: $*" >&2
-exit 2
-"""
 CU128 = {"torch": "2.7.0+cu128", "cuda": "12.8", "arch_list": "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120".split()}
 SM90_ONLY = {"torch": "2.7.0+cu128", "cuda": "12.8", "arch_list": ["sm_90"]}
 
@@ -44,15 +32,8 @@ SM90_ONLY = {"torch": "2.7.0+cu128", "cuda": "12.8", "arch_list": ["sm_90"]}
 def replay(tmp_path, monkeypatch):
     """replay(memory, code, capability): nvidia-smi on PATH (here and in launchers started from here)."""
     def use(memory: str, code: int = 0, capability: str = "") -> None:
-        folder = tmp_path / "bin"
-        folder.mkdir(exist_ok=True)
-        script = folder / "nvidia-smi"
-        capability = capability or memory.replace("memory", "compute_cap")
-        script.write_text(STAND_IN.format(
-            data=DATA, memory=memory, capability=capability, code=code,
-            memory_query=" ".join(machine.GPU_QUERY[1:]), capability_query=" ".join(machine.CAPABILITY_QUERY[1:])))
-        script.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        script = replay_nvidia_smi(tmp_path / "bin", memory, code, capability or memory.replace("memory", "compute_cap"))
+        monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
     return use
 
 
@@ -66,9 +47,7 @@ def captured(name: str) -> list[dict]:
 
 
 def gpu_line(found: dict, settings: dict) -> dict:
-    report = Report("lab")
-    _gpu_items(report, Preflight.of(found), settings)
-    return {item["check"]: item for item in report.items}["gpu"]
+    return preflight_lines(found, settings)["gpu"]
 
 
 # ---------------------------------------------------------------- the choice, on every capture

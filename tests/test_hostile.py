@@ -615,23 +615,11 @@ import shutil  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tether.backends.base import Report, _gpu_items  # noqa: E402
 from tether.backends.slurm import (OWN_OPTIONS, SBATCH_LONG, SBATCH_NO_ARG, SBATCH_REQUIRED_ARG, Config,  # noqa: E402
                                    sbatch_words)
+import helpers  # noqa: E402
 from tether.remote import machine  # noqa: E402
-from tether.remote.protocol import Preflight  # noqa: E402
 
-NVIDIA_SMI_DATA = Path(__file__).resolve().parent / "data" / "nvidia-smi"
-NVIDIA_SMI_STAND_IN = """\
-#!/bin/sh
-# A stand-in for nvidia-smi (no GPU here): replays real captured output, see {data}/SOURCES.md
-case "$*" in
-  "{memory_query}") cat {data}/{memory}; exit {code} ;;
-  "{capability_query}") cat {data}/{capability}; exit {code} ;;
-esac
-echo "stand-in nvidia-smi: no captured output for: $*" >&2
-exit 2
-"""
 # Real torch.cuda.get_arch_list() of stock builds (SOURCES.md, "torch arch lists").
 CU126 = {"torch": "2.7.0+cu126", "cuda": "12.6", "arch_list": "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90".split()}
 CU128 = {"torch": "2.7.0+cu128", "cuda": "12.8", "arch_list": "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120".split()}
@@ -644,23 +632,14 @@ CPU_ONLY = {"torch": "2.13.0+cpu", "cuda": None, "arch_list": []}
 def replay_nvidia_smi(tmp_path, monkeypatch):
     """replay(memory, code, capability): nvidia-smi on PATH now prints those captured files and exits `code`."""
     def replay(memory: str, code: int = 0, capability: str = "query-gpu-compute_cap.txt") -> None:
-        folder = tmp_path / "bin"
-        folder.mkdir(exist_ok=True)
-        script = folder / "nvidia-smi"
-        script.write_text(NVIDIA_SMI_STAND_IN.format(
-            data=NVIDIA_SMI_DATA, memory=memory, capability=capability, code=code,
-            memory_query=" ".join(machine.GPU_QUERY[1:]), capability_query=" ".join(machine.CAPABILITY_QUERY[1:])))
-        script.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        script = helpers.replay_nvidia_smi(tmp_path / "bin", memory, code, capability)
+        monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
     return replay
 
 
 def gpu_lines(found: dict, settings: dict) -> dict:
-    """The preflight's GPU lines, by name, as `doit check` shows them (from machine.check's answer, typed
-    as the client reads it)."""
-    report = Report("lab")
-    _gpu_items(report, Preflight.of(found), settings)
-    return {item["check"]: item for item in report.items}
+    """The preflight's GPU lines, by name, as `doit check` shows them."""
+    return helpers.preflight_lines(found, settings)
 
 
 # replayed output, its exit code, gpus:, min_free_gpu_mb, whether check passes, what its gpu line

@@ -329,6 +329,9 @@ def test_killed_run_is_lost_and_a_relaunch_resumes_from_its_checkpoint(make_run)
     assert [s["resume"] for s in starts] == ["", saved]  # TETHER_RESUME_FROM as the trainer saw it
     assert starts[1]["start"] == 2
     assert [(e["attempt"], e["resumed_from"]) for e in events(run_dir, "launch")] == [(1, None), (2, saved)]
+    # the killed attempt got the exit it never recorded, from the launcher after it: one per launch
+    assert [(e["attempt"], e["status"]) for e in events(run_dir, "exit")] == [(1, "lost"), (2, "completed")]
+    assert done["state"]["previous"]["status"] == "lost", done["state"]
     assert json.loads(Path(run_dir, "artifacts", "model.json").read_text()) == {"step": 4}
 
 

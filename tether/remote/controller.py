@@ -31,7 +31,7 @@ from tether.remote import nodes  # a multi-node SLURM job's srun step
 from tether.remote.rundir import decide_final, event, is_final, now, restart_allowed, run_file, seal, try_lock, update_state
 from tether.remote.runtime import latest_checkpoint
 from tether.remote.supervise import Heartbeat, Supervisor, end_group, killpg
-from tether.remote.protocol import FAILED, PREEMPTED, STALLED
+from tether.remote.protocol import FAILED, LOST, PREEMPTED, RUNNING, STALLED
 from tether.remote.watchdog import WALL, Watchdog
 from tether.remote.workdir import work_dir
 
@@ -42,7 +42,7 @@ VERSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 POLL_S = 0.5  # how often an attempt's limits are checked
 BACKOFF_MAX_S = 600.0  # the longest wait before a restart
 NOTIFY_DRAIN_S = 30.0  # how long the launcher waits for its last notifications before it exits
-ENDINGS = (PREEMPTED, STALLED, FAILED)  # a previous attempt's end that a next attempt restarts from
+ENDINGS = (PREEMPTED, STALLED, FAILED, LOST)  # a previous attempt's end that a next attempt restarts from
 
 
 def run(run_dir: str) -> int:
@@ -103,6 +103,7 @@ class Controller:
         for name in ("checkpoints", "artifacts"):
             os.makedirs(run_file(run_dir, name), exist_ok=True)
         _forget_stop_request(run_dir)
+        state = _record_lost_attempt(run_dir, state)
         attempt = int(state.get("attempt", 0)) + 1
         base = int(state.get("restart_base") or 0)  # a reopened run's restart budget counts from its reopening
         try:
@@ -246,6 +247,17 @@ def _forget_stop_request(run_dir: str) -> None:
         os.unlink(run_file(run_dir, "stop_requested"))
     except FileNotFoundError:
         pass
+
+
+def _record_lost_attempt(run_dir: str, state: Dict[str, Any]) -> Dict[str, Any]:
+    """An attempt still `running` when its run's lock is ours ended with its launcher killed outright
+    (SIGKILL, a node lost, a scheduler's kill after its grace): give it the exit it never got, so
+    every launch in events.jsonl has one and `status` says what happened."""
+    if state.get("status") != RUNNING or not state.get("attempt"):
+        return state
+    why = {"status": LOST, "reason": "its launcher ended before it could record the attempt's end"}
+    event(run_dir, "exit", exit_code=None, attempt=state["attempt"], final=False, **why)
+    return update_state(run_dir, ended_at=now(), exit_code=None, **why)
 
 
 def _previous(state: Dict[str, Any]) -> Optional[Dict[str, Any]]:

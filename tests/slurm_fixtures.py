@@ -47,8 +47,12 @@ def started_cluster(nodes: int = 1, **settings: int) -> Iterator[SlurmCluster]:
 
 @pytest.fixture(scope="session")
 def cluster():
-    """A real single-node SLURM with its login node, for the whole session; stop() cancels every job."""
-    with started_cluster() as found:
+    """A real single-node SLURM with its login node, for the whole session; stop() cancels every job.
+
+    KillWait (SIGTERM to SIGKILL of a cancelled or requeued job) is 15 s, above the test jobs' 5-s
+    grace: a launcher SIGKILLed before it records its attempt's end (as on a loaded machine with
+    KillWait 5) makes that attempt `lost`, which the requeue tests would rightly call a failure."""
+    with started_cluster(kill_wait=15) as found:  # the launcher's grace (5 s in slurm_yaml) and its records fit
         yield found
 
 

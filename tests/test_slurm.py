@@ -1,7 +1,7 @@
 """The slurm backend end to end: `doit` on this machine, sshd as the login node, a real SLURM behind it.
 
-The cluster (tests/slurm_fixtures.py) is real munged + slurmctld + slurmd with cred_expire=10, so a
-requeued job runs again about 11 s later. The far side is this machine, so a test may read a run's
+The cluster (tests/slurm_fixtures.py) is real munged + slurmctld + slurmd with cred_expire=5 and KillWait 15,
+so a requeued job runs again about 7-11 s later. The far side is this machine, so a test may read a run's
 far-side files directly (REMOTE/runs/RUN_ID) and ask SLURM itself (squeue, scontrol) what it did.
 
 The time-limit job takes about two minutes of wall time, most of it waiting for SLURM's time-limit
@@ -30,6 +30,7 @@ import pytest
 
 pytest.register_assert_rewrite("slurm_fixtures")
 pytest_plugins = ["slurm_fixtures"]  # the session's one cluster, shared with test_backend_slurm.py
+pytestmark = pytest.mark.xdist_group("test_slurm")  # one xdist worker: one `time_limited` job, not one each
 
 from conftest import DEMO, REPO, Project  # noqa: E402
 from slurm_fixtures import (POLL_ACK, new_remote_dir, remove_remote_dir, slurm_backend_config,  # noqa: E402
@@ -387,9 +388,9 @@ def time_limited(cluster, tmp_path_factory):
     With `time: 00:01:00` and `--signal=B:USR1@30`, slurmctld sends USR1 at its first time-limit
     check (every 30 s) after the job starts, since it adds that period to the warning time: the
     first attempt works 0-30 s, a requeued one about 19 s (it restarts ~11 s after the check that
-    signalled its predecessor). 50 s of work therefore needs at least three attempts and at most
-    four, which max_restarts 3 allows. (About 100 s of work cannot finish in four attempts: at
-    most 30 + 3 x 19 s.)
+    signalled its predecessor, sooner on a quiet machine, and then up to the next check). 50 s of
+    work therefore needs at least two attempts, usually three, and at most four, which
+    max_restarts 3 allows. (About 100 s of work cannot finish in four attempts: at most 30 + 3 x 19 s.)
     """
     project = new_project(tmp_path_factory.mktemp("time-limited") / "proj")
     remote = new_remote_dir()
@@ -719,7 +720,7 @@ def test_time_limit_usr1_checkpoint_requeue_until_done(time_limited, cluster):
     print(timeline)  # shown when the test fails
     launches = named(events, "launch")
     resumed = [e for e in launches if e["resumed_from"]]
-    assert len(resumed) >= 2, timeline
+    assert len(resumed) >= 1, timeline
     assert launches[0]["resumed_from"] is None
     exits = named(events, "exit")
     assert [e["status"] for e in exits] == ["preempted"] * (len(launches) - 1) + ["completed"], timeline

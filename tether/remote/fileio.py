@@ -69,6 +69,20 @@ def read_json(path: str) -> Optional[Any]:
         return None
 
 
+def append_line(path: str, line: bytes) -> None:
+    """Append one newline-ended line in one write; a torn last line (a write a full disk cut short) is
+    ended first, so it stays one unreadable line instead of gluing itself to this one."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        if os.write(fd, line) < len(line):
+            raise OSError(errno.ENOSPC, "no space left on device: a line of %s was cut short" % path)
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: str) -> Tuple[str, int]:
     """(hex SHA-256, size in bytes) of the file at `path`."""
     digest, size = hashlib.sha256(), 0

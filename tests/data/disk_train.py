@@ -49,10 +49,10 @@ def main():
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
         loss.backward()
         opt.step()
-        history = torch.full((args.grow // 4 * (epoch + 1),), float(loss))  # a per-step log that grows
+        history = torch.full((args.grow // 4 * (epoch + 1),), loss.item())  # a per-step log that grows
         save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1, "history": history},
              "out/ckpt.pt", args.in_place)
-        print("epoch %d loss %.6f saved out/ckpt.pt" % (epoch + 1, float(loss)), flush=True)
+        print("epoch %d loss %.6f saved out/ckpt.pt" % (epoch + 1, loss.item()), flush=True)
     with open("out/final.json", "w") as f:
         json.dump({"weight": model.weight.tolist(), "bias": model.bias.tolist()}, f, sort_keys=True)
     print("done", flush=True)

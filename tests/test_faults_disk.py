@@ -1,0 +1,67 @@
+"""Disk full on both sides: a checkpoint that does not fit on the far side, a pull that does not fit here."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+from faults_disk import DATA, UNIT, config, fill, leave_for_second_checkpoint, tmpfs
+from helpers import sha256
+
+SEED = int(os.environ.get("TETHER_FAULT_SEED", "15"))
+
+
+def _reference(root):
+    """The script run here without faults, in the background: epoch 1's checkpoint hash, then the final result."""
+    (root / "demo").mkdir(parents=True)
+    shutil.copy(DATA / "disk_train.py", root / "demo")
+    shutil.copy(DATA.parent.parent / "configs" / "demo" / "points.csv", root / "demo")
+    script = ("{py} demo/disk_train.py --epochs 1 --grow {g} && sha256sum out/ckpt.pt > ckpt1.sha && "
+              "{py} demo/disk_train.py --epochs 3 --grow {g}").format(py=sys.executable, g=UNIT)
+    return subprocess.Popen(["sh", "-c", script], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_a_checkpoint_that_fills_the_far_disk_keeps_the_previous_one_and_resumes(project, tmp_path):
+    offset = random.Random(SEED).randrange(0, 1 << 20)
+    print(f"seed {SEED}: epoch 2's checkpoint write meets a full disk {offset} bytes in "
+          f"(replay: TETHER_FAULT_SEED={SEED} pytest tests/test_faults_disk.py)")
+    reference = _reference(tmp_path / "ref")
+    shutil.copy(DATA / "disk_train.py", project.root / "demo")
+    far, here = tmp_path / "far", project.root / ".tether" / "runs"
+    with tmpfs(far, 600 << 20), tmpfs(here, 4 << 20):
+        project.write_config(config(far / "remote"))
+        project.doit("run", "up", check=True)  # the preflight wants 500 MB free: fill after it
+        filler = fill(far, leave_for_second_checkpoint(offset))
+        failed = project.doit("run", "train")
+        said = failed.stdout + failed.stderr
+        error = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+        run = far / "remote" / "runs" / project.run_ids()[-1]
+        far_logs = "".join((run / n).read_text() for n in ("launcher.log", "events.jsonl") if (run / n).exists())
+        assert failed.returncode == 1 and error and "no space left on device" in error[0], \
+            f"seed {SEED}\n{said}\n{far_logs}"
+        state = json.loads((run / "state.json").read_text())
+        assert state["status"] == "failed" and state["reason"].startswith("no space left on device"), state
+        assert "no space left on device" in project.doit("status").stdout
+        assert reference.wait(timeout=120) == 0
+        ckpt1 = (tmp_path / "ref" / "ckpt1.sha").read_text().split()[0]
+        assert sha256(run / "work" / "out" / "ckpt.pt") == ckpt1, f"seed {SEED}: the previous checkpoint changed"
+        assert not list((run / "checkpoints").glob(".keep-*")), "a copy cut short was left on the full disk"
+        filler.unlink()
+        pulled = project.doit("run", "train", "retry=1")  # the far side has room; this side's 4 MiB has not
+        assert pulled.returncode == 1 and "pull stopped: no space left on device in" in pulled.stderr, pulled.stderr
+        assert "Traceback" not in pulled.stderr, pulled.stderr
+        assert list(here.glob("*/files/**/*.part")), "the partial file should wait as .part"
+        assert project.doit("run", "verify").returncode == 1  # a partial file is never accepted
+        assert project.doit("run", "down", "confirm=yes").returncode == 1
+        subprocess.run(["mount", "-o", "remount,size=%d" % (64 << 20), str(here)], check=True)
+        project.doit("pull", check=True)
+        project.doit("run", "verify", check=True)
+        log = (run / "train.log").read_text()
+        assert "resumed from" in log and "at epoch 1" in log, log
+        final = project.local_run() / "files" / "work" / "out" / "final.json"
+        assert final.read_bytes() == (tmp_path / "ref" / "out" / "final.json").read_bytes()
+        assert "removed" in project.doit("run", "down", "confirm=yes", check=True).stdout

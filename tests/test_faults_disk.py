@@ -65,3 +65,39 @@ def test_a_checkpoint_that_fills_the_far_disk_keeps_the_previous_one_and_resumes
         final = project.local_run() / "files" / "work" / "out" / "final.json"
         assert final.read_bytes() == (tmp_path / "ref" / "out" / "final.json").read_bytes()
         assert "removed" in project.doit("run", "down", "confirm=yes", check=True).stdout
+
+
+def _zip(path, size: int) -> bytes:
+    import zipfile
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data/0", os.urandom(size))
+    return path.read_bytes()
+
+
+def test_a_checkpoint_torn_in_place_is_never_kept_nor_resumed(tmp_path):
+    from tether.remote import mapped
+
+    rng = random.Random(SEED)
+    out = tmp_path / "work" / "out"
+    out.mkdir(parents=True)
+    _zip(out / "ckpt.pt", 5000)
+    mapped.keep(str(tmp_path), "out/ckpt.pt", 1)
+    kept = tmp_path / "checkpoints" / "ckpt.pt"
+    before = sha256(kept)
+    for _ in range(8):
+        new = _zip(out / "new.zip", rng.randrange(1000, 9000))
+        cut = rng.randrange(4, len(new) - 22)
+        (out / "ckpt.pt").write_bytes(new[:cut])
+        _, skipped = mapped.keep(str(tmp_path), "out/ckpt.pt", 1)
+        assert sha256(kept) == before, f"seed {SEED}: cut at {cut}"
+        assert "torn" in skipped[str(out / "ckpt.pt")], f"seed {SEED}: cut at {cut}: {skipped}"
+        assert mapped.resume_point(str(tmp_path), "out/ckpt.pt") == str(kept)
+
+
+def test_an_event_after_a_torn_line_is_a_line_of_its_own(tmp_path):
+    from tether.remote.fileio import append_line
+
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b'{"event": "step", "step": 1}\n{"event": "st')
+    append_line(str(path), b'{"event": "exit"}\n')
+    assert path.read_bytes().split(b"\n")[-2:] == [b'{"event": "exit"}', b""]

@@ -480,5 +480,7 @@ def verify(s: Session) -> str:
     torch = (f"; {loaded} torch checkpoint(s) loaded with weights_only=True" if loaded == found else
              f"; torch is not installed here, so {found} torch checkpoint(s) were checked by hash only "
              f"(pip install torch to load them)") if found else ""
+    torn = verified.get("torn_event_lines", 0)
+    torn = f"; {torn} torn line(s) in events.jsonl skipped (a writer cut short)" if torn else ""
     return (f"{run.run_id}: verified {len(verified['files'])} files ({verified['bytes']} bytes)"
-            f"{torch}; results in {run.files}")
+            f"{torch}{torn}; results in {run.files}")

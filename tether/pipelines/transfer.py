@@ -153,7 +153,9 @@ def get_resumable(read_from: Callable[[int, Callable[[bytes], None]], None], loc
     part = local + PART
     os.makedirs(os.path.dirname(local), exist_ok=True)
     have = os.path.getsize(part) if os.path.exists(part) else 0
-    if have > size:
+    if have > size:  # not a prefix of this file (another version's, or damaged): never continued
+        progress.write(f"discarding {os.path.basename(part)}: {have} bytes, longer than the {size} bytes the "
+                       f"manifest lists; fetching it whole", file=sys.stdout)
         os.unlink(part)
         have = 0
     if have:

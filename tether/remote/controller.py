@@ -52,7 +52,7 @@ def run(run_dir: str) -> int:
     if lock is None:
         print("run %s is already running" % run_dir, file=sys.stderr)
         return ALREADY_RUNNING_EXIT
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
@@ -94,7 +94,7 @@ class Controller:
             state = self.attempt(state)
             if state.get("final") or not self._wait_to_restart(state):
                 break
-        state = read_json(run_file(self.run_dir, "state.json")) or state  # a stop during the backoff ended it
+        state = read_json(run_file(self.run_dir, "state.json"), dict) or state  # a stop during the backoff ended it
         return self._exit_code(state), state
 
     def attempt(self, state: Dict[str, Any]) -> Dict[str, Any]:
@@ -228,7 +228,7 @@ class Controller:
 
     def _still_ours(self) -> bool:
         """The run is still the final one this launcher left (not reopened, not removed)."""
-        state = read_json(run_file(self.run_dir, "state.json")) or {}
+        state = read_json(run_file(self.run_dir, "state.json"), dict) or {}
         return is_final(state) and state.get("pid") == os.getpid()
 
     def _ended_before_start(self, attempt: int, **why: str) -> Dict[str, Any]:

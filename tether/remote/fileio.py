@@ -60,13 +60,31 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, dump_json(obj))
 
 
-def read_json(path: str) -> Optional[Any]:
-    """The JSON in `path`, or None when the file does not exist (other errors propagate)."""
+class TornFile(ValueError):
+    """A JSON file tether writes whole that is cut short, not JSON or of the wrong shape: never trusted."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__("%s is torn or damaged (%s): tether writes it whole (tmp, fsync, rename), so something "
+                         "else cut or changed it and nothing in it is trusted: put a good copy back (a pulled run "
+                         "keeps one under .tether/runs/<run id>/files/), then run the command again" % (path, why))
+        self.path = path
+
+
+def read_json(path: str, want: Optional[type] = None) -> Optional[Any]:
+    """The JSON in `path`, or None when the file does not exist; TornFile when it is not JSON (or, with
+    `want`, not of that type); other errors propagate."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read().decode())
+            data = f.read()
     except FileNotFoundError:
         return None
+    try:
+        value = json.loads(data.decode())
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both are
+        raise TornFile(path, "%s bytes, %s" % (len(data), err)) from None
+    if want is not None and not isinstance(value, want):
+        raise TornFile(path, "a JSON %s, not an object" % type(value).__name__)
+    return value
 
 
 def append_line(path: str, line: bytes) -> None:

@@ -90,7 +90,7 @@ def write_private(path: str, data: Any) -> None:
 
 
 def update_state(run_dir: str, **changes: Any) -> Dict[str, Any]:
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     state.update(changes, updated_at=now())
     with_room(run_dir, lambda: atomic_write_json(run_file(run_dir, "state.json"), state))
     return state
@@ -361,7 +361,7 @@ def seal(run_dir: str) -> Dict[str, Any]:
             refused.append({"path": name, "reason": "could not be read: %s" % err})
             continue
         entries.append({"path": name, "bytes": size, "sha256": digest})
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     manifest = {"format": 1, "run_id": spec.get("run_id"), "status": state.get("status"),
                 "sealed_at": now(), "files": entries, "missing": roster["missing"], "refused": refused,
                 "artifacts": spec.get("artifacts", [])}

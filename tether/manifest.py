@@ -399,9 +399,13 @@ def gate_teardown(run: RunPaths, far: bytes | None, alive: bool, keep_remote: bo
     hashed again: a timestamp proves nothing), files left on the far side, the far manifest
     changed since it was verified, the run still running.
     """
-    if read_json(run.verified) is None:
+    try:
+        missing = "missing" if read_json(run.verified, dict) is None else ""
+    except TornFile:
+        missing = "torn: it proves nothing"
+    if missing:
         raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
-                       f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
+                       f"({run.verified} is {missing}). Run `doit run train` (or `doit pull verify`) first")
     verified = verify(run, left_remote(run), declared)
     if verified["remote_only"] and not keep_remote:
         raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "

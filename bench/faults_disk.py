@@ -110,6 +110,90 @@ def full_state(rng: random.Random, top: str) -> str:
         subprocess.run(["umount", "-l", mount], check=False)
 
 
+def _torn_or_junk(rng: random.Random, whole: bytes) -> bytes:
+    """A seeded cut of `whole`, or seeded garbage, or valid JSON of the wrong shape."""
+    kind = rng.randrange(4)
+    if kind < 2:
+        return whole[:rng.randrange(0, len(whole) - 1)]
+    if kind == 2:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+    return rng.choice([b"[]", b"null", b"5", b'"completed"', b"[{\"status\": \"completed\"}]"])
+
+
+def torn_state(rng: random.Random, top: str) -> str:
+    """A finished run's state.json torn or garbage: probe and start refuse it in words and touch nothing."""
+    from tether.remote import launcher
+    from tether.remote.fileio import TornFile
+
+    run = os.path.join(top, "run")
+    os.makedirs(run)
+    whole = json.dumps({"status": "completed", "final": True, "exit_code": 0, "attempt": rng.randrange(1, 5),
+                        "reason": "x" * rng.randrange(100)}).encode()
+    data = _torn_or_junk(rng, whole)
+    with open(os.path.join(run, "state.json"), "wb") as f:
+        f.write(data)
+    for command in (launcher.probe, launcher.start):
+        try:
+            command(run)
+        except TornFile as err:
+            if "state.json is torn or damaged" not in str(err):
+                return "%s: the message does not name the torn file: %s (%r)" % (command.__name__, err, data[:40])
+        except Exception as err:  # noqa: BLE001 (anything else is the finding)
+            return "%s: %s instead of a clear message (%r)" % (command.__name__, type(err).__name__, data[:40])
+        else:
+            return "%s trusted a torn state.json (%r)" % (command.__name__, data[:40])
+    if os.listdir(run) != ["state.json"]:
+        return "a command acted on a torn state.json: %s" % sorted(os.listdir(run))
+    return ""
+
+
+def torn_verified(rng: random.Random, top: str) -> str:
+    """PULL_VERIFIED.json torn or garbage: it proves nothing (still_verified is False), never a traceback."""
+    from tether import manifest
+    from tether.paths import RunPaths
+
+    run = RunPaths("torn-run", top, "/far")
+    os.makedirs(run.files)
+    whole = json.dumps({"run_id": "torn-run", "manifest_sha256": "0" * 64, "files": {}}).encode()
+    with open(run.manifest, "wb") as f:
+        f.write(json.dumps({"files": []}).encode())
+    with open(run.verified, "wb") as f:
+        f.write(_torn_or_junk(rng, whole))
+    try:
+        trusted = manifest.still_verified(run)
+    except Exception as err:  # noqa: BLE001
+        return "still_verified raised %s: %s" % (type(err).__name__, err)
+    return "a torn PULL_VERIFIED.json was trusted" if trusted else ""
+
+
+def part_longer(rng: random.Random, top: str) -> str:
+    """A .part file longer than the file it is for (or of the same size, other bytes): never continued."""
+    from tether.pipelines import transfer
+
+    data = os.urandom(rng.randrange(1, 100000))
+    local = os.path.join(top, "here", "f.bin")
+    os.makedirs(os.path.dirname(local))
+    with open(local + transfer.PART, "wb") as f:
+        f.write(os.urandom(len(data) + rng.randrange(0, 5000)))
+    said = []
+
+    class Progress:
+        def write(self, text: str, file=None) -> None:
+            said.append(text)
+
+        def update(self, n: int) -> None:
+            pass
+
+    sha = hashlib.sha256(data).hexdigest()
+    transfer.get_resumable(lambda offset, write: write(data[offset:]), local, len(data), sha, Progress(),
+                           lambda want, got: RuntimeError("the far file changed: %s %s" % (want, got)))
+    if open(local, "rb").read() != data:
+        return "the result is not the far file"
+    if os.path.exists(local + transfer.PART):
+        return "the .part file was left"
+    return ""
+
+
 SCENARIOS = {
     "torn checkpoint": (torn_checkpoint, "A script's checkpoint written in place (a zip, as torch.save writes) is cut at a "
                         "seeded byte, as a full disk or a kill leaves it; the launcher's keep() and resume_point() "
@@ -122,6 +206,16 @@ SCENARIOS = {
     "state.json on a full disk": (full_state, "state.json is rewritten atomically on a 1 MiB tmpfs that a filler "
                                   "leaves 0-2 pages free, with a new state of seeded size.",
                                   ["state.json is the old or the whole new one", "no temporary file is left"]),
+    "torn state.json": (torn_state, "A finished run's state.json is cut at a seeded byte, replaced by seeded "
+                        "garbage or by valid JSON of the wrong shape; the far-side launcher's probe and start run "
+                        "on it.", ["probe and start raise TornFile naming state.json (one line, no traceback)",
+                                   "nothing is started or written in the run dir"]),
+    "torn PULL_VERIFIED.json": (torn_verified, "This side's PULL_VERIFIED.json is cut at a seeded byte or replaced "
+                                "by garbage or wrong-shaped JSON; the cheap up-to-date check reads it.",
+                                ["no exception", "a torn record never counts as verified"]),
+    ".part longer than its file": (part_longer, "A resumable download finds a .part file as long as or longer "
+                                   "than the far file (seeded sizes, other bytes).",
+                                   ["the result is byte-equal to the far file", "no .part is left"]),
 }
 
 

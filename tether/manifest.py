@@ -14,7 +14,7 @@ from typing import Any
 
 from tether.errors import ManifestError, RunError
 from tether.paths import RunPaths
-from tether.remote.fileio import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from tether.remote.fileio import TornFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from tether.remote.rundir import is_literal
 
 PART = ".part"  # a file being downloaded (tether.pipelines.transfer)
@@ -184,6 +184,8 @@ def content_problem(path: str, notes: dict) -> str:
         if name.endswith(".json"):
             with open(path, "rb") as f:
                 json.loads(f.read())
+        elif name == EVENTS_LOG:
+            notes["torn_event_lines"] = notes.get("torn_event_lines", 0) + _torn_lines(path)
         elif name.endswith(".jsonl"):
             with open(path, "rb") as f:
                 for line in f:
@@ -200,6 +202,22 @@ def content_problem(path: str, notes: dict) -> str:
     except Exception as err:  # any failure to parse or load is the finding
         return f"{type(err).__name__}: {str(err)[:200]}"
     return ""
+
+
+EVENTS_LOG = "events.jsonl"  # append-only: a writer killed mid-line leaves a torn line, which readers skip
+
+
+def _torn_lines(path: str) -> int:
+    """How many lines of an events log are not a JSON object (counted, never trusted, not a failure:
+    the launcher ends a torn line before its next event, and pulling again cannot change a sealed file)."""
+    torn = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                torn += line.strip() != b"" and not isinstance(json.loads(line), dict)
+            except ValueError:
+                torn += 1
+    return torn
 
 
 def _safetensors_header(path: str) -> None:
@@ -260,7 +278,8 @@ def check(run: RunPaths, left: dict[str, str] | None = None, declared: tuple[str
     verified = {"run_id": run.run_id, "manifest_sha256": sealed.sha256, "files": record,
                 "bytes": sum(e.bytes for e in listed.values()), "verified_at": round(time.time(), 3),
                 "missing_declared": list(sealed.missing), "remote_only": left,
-                "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0)}
+                "torch_files": notes.get("torch_files", 0), "torch_loaded": notes.get("torch_loaded", 0),
+                "torn_event_lines": notes.get("torn_event_lines", 0)}
     return verified
 
 
@@ -352,7 +371,10 @@ def still_verified(run: RunPaths) -> bool:
     Size, mtime, inode and ctime: a write that restores size and mtime still moves ctime. An
     explicit `verify` (and `down`) hashes everything again instead.
     """
-    verified = read_json(run.verified)
+    try:
+        verified = read_json(run.verified, dict)
+    except TornFile:
+        return False  # a torn PULL_VERIFIED.json proves nothing: verify again
     if not verified:
         return False
     try:
@@ -377,9 +399,13 @@ def gate_teardown(run: RunPaths, far: bytes | None, alive: bool, keep_remote: bo
     hashed again: a timestamp proves nothing), files left on the far side, the far manifest
     changed since it was verified, the run still running.
     """
-    if read_json(run.verified) is None:
+    try:
+        missing = "missing" if read_json(run.verified, dict) is None else ""
+    except TornFile:
+        missing = "torn: it proves nothing"
+    if missing:
         raise RunError(f"refusing to tear down {run.run_id}: its results are not verified here "
-                       f"({run.verified} is missing). Run `doit run train` (or `doit pull verify`) first")
+                       f"({run.verified} is {missing}). Run `doit run train` (or `doit pull verify`) first")
     verified = verify(run, left_remote(run), declared)
     if verified["remote_only"] and not keep_remote:
         raise RunError(f"refusing to tear down {run.run_id}: {len(verified['remote_only'])} file(s) were left "

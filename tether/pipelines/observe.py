@@ -43,8 +43,10 @@ class EventReader:
         for line in self.read_bytes().splitlines():
             try:
                 event = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:
                 continue  # a trainer may print junk into events.jsonl; it must not stop the watch
+            if not isinstance(event, dict):
+                continue  # a torn line can still parse: `5` is JSON, but no event
             events.append(event)
             self.last[event.get("event", "")] = event
         return events

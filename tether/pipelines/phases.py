@@ -396,16 +396,17 @@ def pull(s: Session) -> str:
         return f"{run.run_id}: already pulled and verified"
     for entry in listed.files:
         run.pulled(entry.path)  # refuses absolute paths and `..` before anything is written
-    warning = manifest.save_pulled(run, data)  # durably; a changed one ends the verification here
-    if warning:
-        print(warning)
-    for path, why in sorted(left.items()):
-        print(f"left on the far side: {path} ({why})")
-    todo = [e for e in listed.files if e.path not in left
-            and not transfer.matches(run.pulled(e.path), e.bytes, e.sha256)]
-    total = sum(e.bytes for e in todo)
-    _fetch(s, run, todo, total)
-    write_stamp(run, "pull", manifest_sha256=listed.sha256, fetched=len(todo), bytes=total, left=left)
+    with transfer.room_for(run.run_id, run.local):
+        warning = manifest.save_pulled(run, data)  # durably; a changed one ends the verification here
+        if warning:
+            print(warning)
+        for path, why in sorted(left.items()):
+            print(f"left on the far side: {path} ({why})")
+        todo = [e for e in listed.files if e.path not in left
+                and not transfer.matches(run.pulled(e.path), e.bytes, e.sha256)]
+        total = sum(e.bytes for e in todo)
+        _fetch(s, run, todo, total)
+        write_stamp(run, "pull", manifest_sha256=listed.sha256, fetched=len(todo), bytes=total, left=left)
     _warn_roster(s, listed)
     return f"{run.run_id}: pulled {len(todo)} of {len(listed.files)} files ({total} bytes)"
 
@@ -479,5 +480,7 @@ def verify(s: Session) -> str:
     torch = (f"; {loaded} torch checkpoint(s) loaded with weights_only=True" if loaded == found else
              f"; torch is not installed here, so {found} torch checkpoint(s) were checked by hash only "
              f"(pip install torch to load them)") if found else ""
+    torn = verified.get("torn_event_lines", 0)
+    torn = f"; {torn} torn line(s) in events.jsonl skipped (a writer cut short)" if torn else ""
     return (f"{run.run_id}: verified {len(verified['files'])} files ({verified['bytes']} bytes)"
-            f"{torch}; results in {run.files}")
+            f"{torch}{torn}; results in {run.files}")

@@ -14,8 +14,17 @@ from tether.remote.fileio import read_json
 
 
 def read_events(run: RunPaths) -> list[dict]:
-    with open(run.pulled("events.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The run's events; a torn or junk line (a trainer killed mid-write) is no event."""
+    found = []
+    with open(run.pulled("events.jsonl"), "rb") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                found.append(event)
+    return found
 
 
 def facts(run: RunPaths) -> dict:

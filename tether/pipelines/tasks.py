@@ -20,6 +20,7 @@ from tether import sweep
 from tether.errors import ConfigError, TetherError
 from tether.pipelines import phases, teardown
 from tether.pipelines.session import Session, check_variables, flag
+from tether.remote.fileio import TornFile
 
 DOIT_CONFIG = {
     "default_tasks": ["train"],  # never `down`: a bare `doit` must not tear anything down
@@ -124,7 +125,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                 message = phase(opened, *args)
                 if message:
                     print(message)
-            except TetherError as err:
+            except (TetherError, TornFile) as err:
                 return TaskFailed(str(err))
             except KeyboardInterrupt:
                 return TaskFailed(resume_hint(opened))
@@ -143,7 +144,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                 if opened.backend.opens_early:
                     opened.backend.far.open_soon()  # its connection is made while this side decides
                 return check(opened)
-            except TetherError:
+            except (TetherError, TornFile):
                 return False  # let the action run and report the error in full
         return uptodate
 

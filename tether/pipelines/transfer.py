@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import os
 import sys
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from tether import manifest
-from tether.errors import ManifestError
+from tether.errors import ManifestError, RunError
 from tether.manifest import PART
 from tether.remote.fileio import CHUNK, sha256_file
 
@@ -151,7 +153,9 @@ def get_resumable(read_from: Callable[[int, Callable[[bytes], None]], None], loc
     part = local + PART
     os.makedirs(os.path.dirname(local), exist_ok=True)
     have = os.path.getsize(part) if os.path.exists(part) else 0
-    if have > size:
+    if have > size:  # not a prefix of this file (another version's, or damaged): never continued
+        progress.write(f"discarding {os.path.basename(part)}: {have} bytes, longer than the {size} bytes the "
+                       f"manifest lists; fetching it whole", file=sys.stdout)
         os.unlink(part)
         have = 0
     if have:
@@ -185,3 +189,18 @@ def get_resumable(read_from: Callable[[int, Callable[[bytes], None]], None], loc
         return get_resumable(read_from, local, size, sha256, progress, changed)
     os.replace(part, local)
     manifest.remember(local, sha256)
+
+
+@contextlib.contextmanager
+def room_for(run_id: str, folder: str) -> Iterator[None]:
+    """A full local disk during a pull is one line naming the place and the fix; partial files stay `.part`
+    (never accepted: a file is renamed into place only once its size and SHA-256 match)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        what = f" ({err.filename})" if err.filename else ""
+        raise RunError(f"{run_id}: pull stopped: no space left on device in {folder}{what}; free space there, "
+                       f"then `doit pull` continues where it stopped") from None
+

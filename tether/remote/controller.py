@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from tether.remote import endings, environment, gpuchoice, idle, notify, objects, progress, ranks, resume as resuming
+from tether.remote import endings, environment, gpuchoice, idle, notify, objects, progress, ranks, resume as resuming, room
 from tether.remote import mapped as own_checkpoints
 from tether.remote.fileio import read_json
 from tether.remote import nodes  # a multi-node SLURM job's srun step
@@ -52,7 +52,7 @@ def run(run_dir: str) -> int:
     if lock is None:
         print("run %s is already running" % run_dir, file=sys.stderr)
         return ALREADY_RUNNING_EXIT
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     if is_final(state):
         print("run %s already ended: %s" % (run_dir, state["status"]), file=sys.stderr)
         return 0
@@ -94,7 +94,7 @@ class Controller:
             state = self.attempt(state)
             if state.get("final") or not self._wait_to_restart(state):
                 break
-        state = read_json(run_file(self.run_dir, "state.json")) or state  # a stop during the backoff ended it
+        state = read_json(run_file(self.run_dir, "state.json"), dict) or state  # a stop during the backoff ended it
         return self._exit_code(state), state
 
     def attempt(self, state: Dict[str, Any]) -> Dict[str, Any]:
@@ -102,6 +102,7 @@ class Controller:
         run_dir, spec = self.run_dir, self.spec
         for name in ("checkpoints", "artifacts"):
             os.makedirs(run_file(run_dir, name), exist_ok=True)
+        room.reserve(run_dir)  # taken again after a full disk released it (a retry once space was freed)
         _forget_stop_request(run_dir)
         state = _record_lost_attempt(run_dir, state)
         attempt = int(state.get("attempt", 0)) + 1
@@ -145,11 +146,16 @@ class Controller:
         self.supervisor.detach()
         if tail:
             tail.finish()  # its last events land before "exit" and before the seal reads events.jsonl
+        full = room.full_reason(run_dir) if returncode else ""  # before the reserve goes: it is part of "full"
+        if full:
+            room.release(run_dir)  # the records below need the room; keeping a copy may fail, and is reported
         _keep_mapped_checkpoint(run_dir, spec)
         stopped = os.path.exists(run_file(run_dir, "stop_requested"))
         ended = endings.outcome(returncode, stopped, self.supervisor.signalled, oom_before)
         if verdict and not stopped:  # the launcher ended it: its reason, whatever the trainer died of
             ended.update(verdict)
+        elif full and ended["status"] == "failed":
+            ended["reason"] = full
         final = decide_final(ended["status"], spec, attempt - base)
         fields = dict({"signal_to": None, "oom": None, "reason": None}, **ended)  # nothing left from an earlier attempt
         state = update_state(run_dir, final=final, exit_code=returncode, ended_at=now(),
@@ -222,7 +228,7 @@ class Controller:
 
     def _still_ours(self) -> bool:
         """The run is still the final one this launcher left (not reopened, not removed)."""
-        state = read_json(run_file(self.run_dir, "state.json")) or {}
+        state = read_json(run_file(self.run_dir, "state.json"), dict) or {}
         return is_final(state) and state.get("pid") == os.getpid()
 
     def _ended_before_start(self, attempt: int, **why: str) -> Dict[str, Any]:
@@ -339,7 +345,11 @@ def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     mapped = spec.get("checkpoint_path")
     if not mapped:
         return
-    kept, skipped = own_checkpoints.keep(run_dir, mapped, int(spec.get("checkpoint_keep", 3)))
+    try:
+        kept, skipped = own_checkpoints.keep(run_dir, mapped, int(spec.get("checkpoint_keep", 3)))
+    except OSError as err:  # a full disk: the script's own file stays the resume point, the run's end is recorded
+        event(run_dir, "checkpoint_not_kept", path=mapped, reason="could not keep a copy: %s" % err)
+        return
     for path, reason in sorted(skipped.items()):
         event(run_dir, "checkpoint_not_kept", path=os.path.relpath(path, own_checkpoints.script_path(run_dir, "")),
               reason=reason)
@@ -349,7 +359,9 @@ def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
 
 def saved_checkpoint(run_dir: str, spec: Dict[str, Any]) -> Optional[str]:
     """The checkpoint this run leaves (relative to the run dir), or None: what a message may promise."""
-    found = own_checkpoints.newest_kept(run_dir, spec.get("checkpoint_path")) or \
+    mapped = spec.get("checkpoint_path")
+    own = own_checkpoints.complete(run_dir, mapped)[0] if mapped else []  # no copy kept (a full disk): the script's own
+    found = own_checkpoints.newest_kept(run_dir, mapped) or (own[-1] if own else None) or \
         latest_checkpoint(run_file(run_dir, "checkpoints"))
     return os.path.relpath(found, run_dir) if found else None
 

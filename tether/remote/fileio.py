@@ -60,13 +60,45 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, dump_json(obj))
 
 
-def read_json(path: str) -> Optional[Any]:
-    """The JSON in `path`, or None when the file does not exist (other errors propagate)."""
+class TornFile(ValueError):
+    """A JSON file tether writes whole that is cut short, not JSON or of the wrong shape: never trusted."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__("%s is torn or damaged (%s): tether writes it whole (tmp, fsync, rename), so something "
+                         "else cut or changed it and nothing in it is trusted: put a good copy back (a pulled run "
+                         "keeps one under .tether/runs/<run id>/files/), then run the command again" % (path, why))
+        self.path = path
+
+
+def read_json(path: str, want: Optional[type] = None) -> Optional[Any]:
+    """The JSON in `path`, or None when the file does not exist; TornFile when it is not JSON (or, with
+    `want`, not of that type); other errors propagate."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read().decode())
+            data = f.read()
     except FileNotFoundError:
         return None
+    try:
+        value = json.loads(data.decode())
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both are
+        raise TornFile(path, "%s bytes, %s" % (len(data), err)) from None
+    if want is not None and not isinstance(value, want):
+        raise TornFile(path, "a JSON %s, not an object" % type(value).__name__)
+    return value
+
+
+def append_line(path: str, line: bytes) -> None:
+    """Append one newline-ended line in one write; a torn last line (a write a full disk cut short) is
+    ended first, so it stays one unreadable line instead of gluing itself to this one."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        if os.write(fd, line) < len(line):
+            raise OSError(errno.ENOSPC, "no space left on device: a line of %s was cut short" % path)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: str) -> Tuple[str, int]:

@@ -240,7 +240,7 @@ def _record(run_dir: str, choice: Choice, leased: List[int]) -> List[int]:
         return []
     env = dict(read_json(run_file(run_dir, "launch_env.json")) or {}, **choice.env())
     write_private(run_file(run_dir, "launch_env.json"), env)
-    refusal = (read_json(run_file(run_dir, "state.json")) or {}).get("refused")
+    refusal = (read_json(run_file(run_dir, "state.json"), dict) or {}).get("refused")
     cleared = {"launcher_error": None, "refused": None} if refusal else {}  # an earlier refusal is over
     update_state(run_dir, gpus=choice.indices, gpu_names=[g["name"] for g in choice.chosen],
                  gpus_on_cpu=choice.cpu or None, **cleared)
@@ -251,7 +251,7 @@ def _record(run_dir: str, choice: Choice, leased: List[int]) -> List[int]:
 
 def refused(run_dir: str, error: str) -> None:
     """A run whose GPUs could not be had: the reason in state.json (for `start` to answer), still startable."""
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     update_state(run_dir, status=state.get("status") or "pending", launcher_error=error, refused=error)
 
 

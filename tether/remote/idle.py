@@ -131,7 +131,7 @@ def _idle_s(run_dir: str) -> Optional[float]:
     None until then."""
     sealed = _seal_time(run_dir)
     try:
-        state = read_json(run_file(run_dir, "state.json")) or {}
+        state = read_json(run_file(run_dir, "state.json"), dict) or {}
     except (OSError, ValueError):
         return None  # mid-rewrite or unreadable: look again at the next poll
     if sealed is None or not is_final(state) or any(is_alive(d) for d in _runs(run_dir)[1:]):

@@ -54,7 +54,7 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
     `settings`: {"env": {...}, "gpus": "auto"|N|"0,1"|"none", "min_gpus": N, "min_free_gpu_mb": N,
     "share_gpus": B}; a launcher refused its GPUs exits early, and its reason is the answer's error.
     """
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     if is_final(state):
         return {"outcome": "finished", "state": state}
     if is_alive(run_dir):
@@ -70,12 +70,12 @@ def start(run_dir: str, settings: Optional[Dict[str, Any]] = None, timeout_s: fl
         )
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        state = read_json(run_file(run_dir, "state.json")) or {}
+        state = read_json(run_file(run_dir, "state.json"), dict) or {}
         if state.get("pid") == daemon.pid:
             return {"outcome": "started", "state": state}
         code = daemon.poll()
         if code is not None:
-            state = read_json(run_file(run_dir, "state.json")) or {}
+            state = read_json(run_file(run_dir, "state.json"), dict) or {}
             outcome = {ALREADY_RUNNING_EXIT: "running", 0: "finished"}.get(code, "error")
             return {"outcome": outcome, "state": state, "exit_code": code, "error": state.get("launcher_error", "")}
         time.sleep(0.02)
@@ -89,7 +89,7 @@ def probe(run_dir: str) -> Dict[str, Any]:
     """A snapshot of one run: status (with `lost` for a dead non-final run), liveness, ages."""
     if not os.path.isdir(run_dir):
         return {"status": "absent"}
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     alive = is_alive(run_dir)
     status = state.get("status", "pending")
     if status in ("running", "pending") and not alive and state and not state.get("refused"):
@@ -152,7 +152,7 @@ def _wait_until_dead(run_dir: str, pgid: int, seconds: float) -> bool:
 
 def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
     """SIGTERM the trainer's group (and launcher), SIGKILL after grace_s, then re-probe honestly."""
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     pgid, pid = int(state.get("pgid") or 0), int(state.get("pid") or 0)
     if not is_alive(run_dir) and not (pgid and group_members(pgid)):
         return {"outcome": "was not running", "status": probe(run_dir)["status"]}
@@ -169,7 +169,7 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
     if is_alive(run_dir) or survivors:
         return {"outcome": "error", "survivors": survivors,
                 "error": "processes survived SIGKILL: %s" % survivors}
-    if not is_final(read_json(run_file(run_dir, "state.json")) or {}):
+    if not is_final(read_json(run_file(run_dir, "state.json"), dict) or {}):
         stopped_without_launcher(run_dir)
     _let_exit(pid, run_dir, LAUNCHER_EXIT_S)
     return {"outcome": "stopped", "status": probe(run_dir)["status"]}
@@ -186,7 +186,7 @@ def _let_exit(pid: int, run_dir: str, seconds: float) -> None:
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     """Stop a SLURM run (scancel, TERM then KILL); mark it stopped and sealed if its launcher could not."""
     outcome = scheduler.cancel(run_dir, grace_s)
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     if outcome["outcome"] == "stopped" and not is_final(state) and not is_alive(run_dir):
         stopped_without_launcher(run_dir)
     return outcome

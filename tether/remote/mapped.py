@@ -7,6 +7,7 @@ restoring the kept copy into the script's place when the script's folder lost it
 
 "Complete": the trainer has exited (we only look then, so nothing is still being written), the
 candidate holds at least one regular file, no temporary name (`*.tmp*`, `*.partial`), no link,
+no zip file (torch.save's format) cut short before its end record,
 and, where Hugging Face's Trainer wrote it, its `trainer_state.json` (written after the weights).
 A kill mid-save leaves a folder without it: that one is skipped and the previous one taken.
 """
@@ -19,6 +20,7 @@ import posixpath
 import re
 import shutil
 import stat
+import zipfile
 from typing import Dict, List, Optional, Tuple
 
 from tether.remote.fileio import fsync_dir
@@ -29,6 +31,7 @@ MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
 TEMPORARY = re.compile(r"\.tmp|\.partial$|\.incomplete$")  # names of writes that never finished
 HF_LAST = "trainer_state.json"  # Hugging Face's Trainer writes it after weights, optimizer and RNG state
 HF_SIGNS = (HF_LAST, "training_args.bin")  # files that say "a Hugging Face checkpoint folder"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since 1.6 (and safetensors never starts so)
 MAX_FILES = 100000  # entries looked at in one checkpoint folder: far above a real one, far below a disk
 SCRATCH = ".keep-"  # scratch copies: a dot name, so no glob of the script's and no roster ever lists them
 DROPPED = ".drop-"  # a kept folder being replaced: restored if a kill came between the two renames
@@ -104,7 +107,7 @@ def problem(path: str, hf: bool = False) -> str:
     if TEMPORARY.search(os.path.basename(path)):
         return "a temporary name: still being written when the trainer ended"
     if stat.S_ISREG(mode):
-        return ""
+        return torn(path)
     if not stat.S_ISDIR(mode):
         return "not a regular file or folder"
     files, others = tree(path)
@@ -118,6 +121,17 @@ def problem(path: str, hf: bool = False) -> str:
     if hf and HF_LAST not in files:
         return "incomplete: no %s (Hugging Face's Trainer writes it last)" % HF_LAST
     return ""
+
+
+def torn(path: str) -> str:
+    """Why a zip-format file (what torch.save writes) is cut short, or ''; a write in place that a full
+    disk or a kill interrupted leaves one without its end record, and it must never be kept or resumed."""
+    with open(path, "rb") as f:
+        if f.read(4) != ZIP_MAGIC:
+            return ""
+    if zipfile.is_zipfile(path):
+        return ""
+    return "torn: a zip (torch.save) file without its end record, cut short while being written"
 
 
 def _checked(path: str, hf: bool) -> str:
@@ -190,6 +204,15 @@ def copy(src: str, target: str) -> None:
     os.makedirs(folder, exist_ok=True)
     scratch = os.path.join(folder, "%s%d-%s" % (SCRATCH, os.getpid(), name))
     _remove(scratch)
+    try:
+        _copy(src, scratch, target)
+    except BaseException:
+        _remove(scratch)  # a copy cut short (a full disk) must not hold the space it took
+        raise
+
+
+def _copy(src: str, scratch: str, target: str) -> None:
+    folder, name = os.path.split(target)
     if not os.path.isdir(src):
         _copy_file(src, scratch)
         os.replace(scratch, target)  # a folder in the way raises: never silently replaced by a file

@@ -23,11 +23,12 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
 import re
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from tether.remote.fileio import append_line
 
 # tqdm redraws many times a second and a script may print a loss every step: a live bar needs two
 # events a second, a curve four points a second (about 1.5 MB of events an hour, read by watch).
@@ -253,11 +254,7 @@ class Tail:
 def append_event(events_path: str, record: Fields) -> None:
     """Append one event with its time to events.jsonl."""
     line = (json.dumps(dict(record, t=round(time.time(), 3)), sort_keys=True) + "\n").encode()
-    fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)  # one write of one line: never mixed with the launcher's own events
-    finally:
-        os.close(fd)
+    append_line(events_path, line)  # one write of one line: never mixed with the launcher's own events
 
 
 LIVE: List[Tail] = []  # started and not finished: the launcher's own failure ends them before it seals

@@ -61,7 +61,7 @@ def checkpoint_info(run_dir: str, relpath: Optional[str]) -> Dict[str, Any]:
     SHA-256, step, status; `outcome` absent (no run dir) or missing (no such file)."""
     if not os.path.isdir(run_dir):
         return {"outcome": "absent"}
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     info = {"outcome": "found", "status": state.get("status", "pending"), "checkpoint": relpath}
     if relpath:
         if relpath.startswith("/") or ".." in relpath.split("/"):
@@ -86,7 +86,7 @@ def _archive_manifest(run_dir: str, attempt: int) -> Optional[str]:
 
 def reopen(run_dir: str, checkpoint: Optional[str]) -> Dict[str, Any]:
     """Make an ended (not completed) run startable again as its next attempt; `start` then launches it."""
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     status = state.get("status", "pending")
     if is_alive(run_dir):
         return {"outcome": "running", "state": state}

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tether.remote import mapped
 from tether.remote.workdir import WORK, work_dir
-from tether.remote.fileio import atomic_write_json, read_json, sha256_regular
+from tether.remote.fileio import append_line, atomic_write_json, read_json, sha256_regular
+from tether.remote.room import RESERVE, with_room
 from tether.remote.runtime import latest_checkpoint
 
 FINAL = ("completed", "stopped")  # always final; "failed" is final unless the restart policy retries it
@@ -33,7 +34,8 @@ SEALED_FILES = ("run.json", "tree.json", "state.json", "events.jsonl", "train.lo
 PRIVATE_FILES = ("launch_env.json", "launcher.lock", "launcher.log", "heartbeat", "stop_requested", "notify.json",
                  "PULL_MANIFEST.json", "PULL_MANIFEST.attempt-*.json", "slurm.json", "job.sh", "submit.lock", "slurm-*.out",
                  "read_at", "readers.lock", "idle.json",  # these three: a rented box's meter (tether.remote.idle)
-                 "gpu_request.json")  # the launch's GPU settings (tether.remote.gpuchoice)
+                 "gpu_request.json",  # the launch's GPU settings (tether.remote.gpuchoice)
+                 RESERVE)  # room for the launcher's last records on a full disk (tether.remote.room)
 TETHER_FILES = SEALED_FILES + PRIVATE_FILES
 MAX_WALK = 100000  # entries the seal looks at: far above any real results folder, far below a filesystem
 MAGIC = re.compile(r"[*?[]")  # what makes a path segment a glob
@@ -72,11 +74,7 @@ def now() -> float:
 def event(run_dir: str, event: str, **fields: Any) -> None:
     record = dict(fields, event=event, t=now(), source="launcher")
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(run_file(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    with_room(run_dir, lambda: append_line(run_file(run_dir, "events.jsonl"), line))
 
 
 def write_private(path: str, data: Any) -> None:
@@ -92,9 +90,9 @@ def write_private(path: str, data: Any) -> None:
 
 
 def update_state(run_dir: str, **changes: Any) -> Dict[str, Any]:
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     state.update(changes, updated_at=now())
-    atomic_write_json(run_file(run_dir, "state.json"), state)
+    with_room(run_dir, lambda: atomic_write_json(run_file(run_dir, "state.json"), state))
     return state
 
 
@@ -363,9 +361,9 @@ def seal(run_dir: str) -> Dict[str, Any]:
             refused.append({"path": name, "reason": "could not be read: %s" % err})
             continue
         entries.append({"path": name, "bytes": size, "sha256": digest})
-    state = read_json(run_file(run_dir, "state.json")) or {}
+    state = read_json(run_file(run_dir, "state.json"), dict) or {}
     manifest = {"format": 1, "run_id": spec.get("run_id"), "status": state.get("status"),
                 "sealed_at": now(), "files": entries, "missing": roster["missing"], "refused": refused,
                 "artifacts": spec.get("artifacts", [])}
-    atomic_write_json(target, manifest)  # no event after hashing: events.jsonl is in the manifest
+    with_room(run_dir, lambda: atomic_write_json(target, manifest))  # no event after hashing: events.jsonl is in the manifest
     return manifest

@@ -85,7 +85,7 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
     """Submit job.sh once for this run (under a lock): an existing job of the run is adopted, never doubled."""
     with open(os.path.join(run_dir, "submit.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        state = read_json(os.path.join(run_dir, "state.json")) or {}
+        state = read_json(os.path.join(run_dir, "state.json"), dict) or {}
         known = read_json(os.path.join(run_dir, "slurm.json")) or {}
         if state.get("final"):
             return {"outcome": "finished", "job_id": known.get("job_id"), "flags": known.get("flags"), "state": state}
@@ -122,7 +122,7 @@ def submit_array(remote_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _submit_array(remote_dir: str, run_dirs: List[str], settings: Dict[str, Any]) -> Dict[str, Any]:
-    states = {d: read_json(os.path.join(d, "state.json")) or {} for d in run_dirs}
+    states = {d: read_json(os.path.join(d, "state.json"), dict) or {} for d in run_dirs}
     known = {d: read_json(os.path.join(d, "slurm.json")) or {} for d in run_dirs}
     jobs = [k["job_id"] for d, k in known.items() if k.get("job_id") and not states[d].get("final")]
     queued = queue(jobs)

@@ -332,6 +332,7 @@ def test_killed_run_is_lost_and_a_relaunch_resumes_from_its_checkpoint(make_run)
     # the killed attempt got the exit it never recorded, from the launcher after it: one per launch
     assert [(e["attempt"], e["status"]) for e in events(run_dir, "exit")] == [(1, "lost"), (2, "completed")]
     assert done["state"]["previous"]["status"] == "lost", done["state"]
+    assert not Path(run_dir, "space_reserve").exists()  # a live launcher's room on a full disk, given back at its end
     assert json.loads(Path(run_dir, "artifacts", "model.json").read_text()) == {"step": 4}
 
 

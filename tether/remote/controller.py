@@ -69,6 +69,7 @@ def run(run_dir: str) -> int:
     except Exception as err:  # our own bug must not look like a lost run (a relaunch trains again)
         code, state = _launcher_failed(run_dir, err, supervisor, control)
     heartbeat.stop()
+    room.release(run_dir)  # the reserve is for a live launcher's records: an ended run keeps no 1 MiB
     gpuchoice.give_back(run_dir, gpus)  # held through every attempt and backoff of this launcher
     os.close(lock)  # the run reads as ended from here on; what follows is housekeeping
     if control is not None:

@@ -1,0 +1,43 @@
+"""Fault suite part B over ssh: sshd killed mid-push, mid-watch and mid-pull; a link that goes silent."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from faults_net import kill_each_phase, link_frozen, make_project, expected_artifacts
+from helpers import stop_leftover_runs
+from sshd import SSHServer
+
+SEED = int(os.environ.get("TETHER_FAULT_SEED", "1515"))
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """An sshd of the test's own (it is killed and frozen), the far folder, a project; all stopped after."""
+    server = SSHServer(tmp_path / "sshd").start()
+    far = tmp_path / "far"
+    yield server, far
+    server.thaw(server.sessions() + ([server.process.pid] if server.process else []))
+    server.stop()
+    stop_leftover_runs(far)
+
+
+def test_sshd_killed_mid_push_watch_and_pull_the_run_is_unaffected(lab, tmp_path):
+    server, far = lab
+    root = make_project(tmp_path / "proj", server, far, SEED, steps=40)
+    expected = expected_artifacts(root, steps=40)
+    results = kill_each_phase(root, server, far, SEED, expected)
+    failed = [(r.phase, r.moment, r.failures, r.notes) for r in results if r.failures]
+    assert not failed, f"seed {SEED} (TETHER_FAULT_SEED={SEED} replays it): {failed}"
+
+
+def test_a_silent_link_mid_watch_is_named_within_the_keepalive_bound(lab, tmp_path):
+    """sshd SIGSTOPped (nothing closes, nothing answers): with alive_timeout_s 4 watch names the host and
+    says it retries within 4 + connect_timeout_s (+ slack) seconds, and completes once sshd continues."""
+    server, far = lab
+    root = make_project(tmp_path / "proj", server, far, SEED, steps=40, alive_timeout_s=4)
+    expected = expected_artifacts(root, steps=40)
+    result = link_frozen(root, server, far, "watch", SEED, expected, alive_s=4)
+    assert not result.failures, f"seed {SEED} at {result.moment}: {result.failures} {result.notes}"

@@ -75,7 +75,9 @@ trainer:
   resume_args: ["--resume", "{{checkpoint}}"]
   command: "{{python}} script/train.py --steps {steps} --sleep {sleep}"
 artifacts: [weights.json, blob.bin]
-restart: {{policy: never}}
+restart: {{policy: {policy}}}
+validation:
+  acknowledge: ["is below 10 s: every poll"]
 heartbeat_timeout_s: 60
 grace_seconds: 5
 backends:
@@ -95,15 +97,18 @@ class Outcome:
 
 
 def make_project(root: Path, server: SSHServer, far: Path, seed: int, steps: int = 20, sleep: float = 0.05,
-                 **backend) -> Path:
-    """A project folder: the script, 6 MB of seeded data, tether.yaml with backend `lab` = server."""
+                 policy: str = "never", drop: tuple[str, ...] = (), **backend) -> Path:
+    """A project folder: the script, 6 MB of seeded data, tether.yaml with backend `lab` = server
+    (its keys without `drop`, plus `backend`)."""
     (root / "script").mkdir(parents=True)
     (root / "data").mkdir()
     (root / "script" / "train.py").write_text(SCRIPT)
     (root / "data" / "points.bin").write_bytes(random.Random(seed).randbytes(6 << 20))
     shutil.copy(REPO / "dodo.py", root / "dodo.py")
     settings = server.backend_config(far, connect_timeout_s=3, **backend)
-    (root / "tether.yaml").write_text(CONFIG.format(steps=steps, sleep=sleep, backend=json.dumps(settings)))
+    settings = {k: v for k, v in settings.items() if k not in drop}
+    (root / "tether.yaml").write_text(CONFIG.format(steps=steps, sleep=sleep, policy=policy,
+                                                    backend=json.dumps(settings)))
     return root
 
 

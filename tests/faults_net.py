@@ -29,7 +29,7 @@ import argparse, hashlib, json, os, time
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--sleep", type=float, default=0.05)
-parser.add_argument("--blob-mb", type=int, default=8)
+parser.add_argument("--blob-mb", type=int, default=16)
 parser.add_argument("--resume", default="")
 args = parser.parse_args()
 state = {"step": 0, "w": "seed"}
@@ -98,12 +98,12 @@ class Outcome:
 
 def make_project(root: Path, server: SSHServer, far: Path, seed: int, steps: int = 20, sleep: float = 0.05,
                  policy: str = "never", drop: tuple[str, ...] = (), **backend) -> Path:
-    """A project folder: the script, 6 MB of seeded data, tether.yaml with backend `lab` = server
+    """A project folder: the script, 16 MB of seeded data, tether.yaml with backend `lab` = server
     (its keys without `drop`, plus `backend`)."""
     (root / "script").mkdir(parents=True)
     (root / "data").mkdir()
     (root / "script" / "train.py").write_text(SCRIPT)
-    (root / "data" / "points.bin").write_bytes(random.Random(seed).randbytes(6 << 20))
+    (root / "data" / "points.bin").write_bytes(random.Random(seed).randbytes(16 << 20))
     shutil.copy(REPO / "dodo.py", root / "dodo.py")
     settings = server.backend_config(far, connect_timeout_s=3, **backend)
     settings = {k: v for k, v in settings.items() if k not in drop}
@@ -318,28 +318,34 @@ def said_host(text: str) -> str:
     return ""
 
 
-def kill_each_phase(root: Path, server: SSHServer, far: Path, seed: int, expected: dict[str, str]) -> list[Outcome]:
+def kill_each_phase(root: Path, server: SSHServer, far: Path, seed: int, expected: dict[str, str],
+                    most_outage_s: float = 0.0) -> list[Outcome]:
     """One run, sshd SIGKILLed once mid-push, once mid-watch and once mid-pull (seeded moments), each time
-    started again on the same port and key; a doit that ended is started again; invariants at the end."""
+    started again on the same port and key after a seeded outage; a push or pull that ended is rerun,
+    a watch must ride it out; the end-of-run invariants count for all three faults."""
     rng = random.Random(seed)
     results, bg = [], None
     try:
         for phase in PHASES:
             result = Outcome(seed, phase)
+            if bg is not None and bg.proc.poll() not in (None, 0) and results[-1].phase == "watch":
+                results[-1].failures.append(f"watch gave up after sshd came back: {bg.text()[-1500:]}")
             if bg is None or bg.proc.poll() is not None:
                 bg = start(root, "run", "train")
             result.moment = inject(phase, far, bg, rng.uniform(0, 0.2), server.kill)
+            time.sleep(rng.uniform(0, most_outage_s))  # the seeded length of the outage
             server.start()
             if phase != "watch":  # push and pull end (one line, rerun); watch retries, then pulls
                 finish(bg, result, 120)
             results.append(result)
         used, output = rerun_until_done(root)
-        if used > 3:
-            results[-1].failures.append(f"the rerun did not complete: {output}")
     finally:
         if bg is not None:
             bg.kill()
         if server.process is None:
             server.start()
-    results[-1].failures += check_run(root, far, expected)
+    common = [f"the rerun did not complete: {output}"] if used > 3 else []
+    common += check_run(root, far, expected)
+    for result in results:
+        result.failures += common
     return results

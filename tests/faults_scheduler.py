@@ -67,3 +67,88 @@ def jobs_submitted(far: Path) -> list[str]:
 def scheduler_lines(text: str) -> list[str]:
     """watch's lines about the scheduler not answering."""
     return [line for line in text.splitlines() if re.search(r"job \S+: .*waiting for the scheduler", line)]
+
+
+# ---------------------------------------------------------------- scenarios (the tests and the soak share them)
+
+SLURM = dict(drop=("gpus",), type="slurm", partition="debug", time="00:10:00", poll_interval_s=1, exit_grace_s=2)
+
+
+def first_step(root: Path, remote: Path):
+    """`doit run train` in the background, once the job's script has printed a step."""
+    from faults_net import far_lines, start, wait
+
+    bg = start(root, "run", "train")
+    wait(lambda: any(line.startswith("step ") for line in far_lines(remote, "train.log")) or bg.proc.poll() is not None,
+         120, "the job's first step")
+    assert bg.proc.poll() is None, bg.output()
+    return bg
+
+
+def outage(bg, scheduler: FlakyScheduler, name: str, mode: str, polls: int) -> None:
+    """`name` in `mode` until watch has polled `polls` more times (a stretch of polls, not a fixed time)."""
+    from faults_net import requests, wait
+
+    scheduler.set(name, mode)
+    seen = requests(bg, "probe")
+    wait(lambda: requests(bg, "probe") >= seen + polls + 1 or bg.proc.poll() is not None, 120, f"{polls} polls")
+
+
+def healthy_through(root: Path, scheduler: FlakyScheduler, remote: Path, seed: int, steps: int,
+                    stretches: list[tuple[str, int]]):
+    """A healthy job watched through squeue outages (mode, polls) in turn: watch waits and says why for each,
+    the job completes with one submit, one launch, no restart, artifacts as an uninterrupted run's."""
+    from faults_net import Outcome, check_run, expected_artifacts, finish
+
+    results = [Outcome(seed, mode, moment=f"squeue {mode} for {polls} polls") for mode, polls in stretches]
+    bg = first_step(root, remote)
+    try:
+        for mode, polls in stretches:
+            outage(bg, scheduler, "squeue", mode, polls)
+        ended = bg.proc.poll()
+        scheduler.heal()
+        code = finish(bg, results[-1], 180)
+    finally:
+        scheduler.heal()
+        bg.kill()
+    err = bg.text()
+    common = [f"watch ended during the outage (exit {ended})"] if ended is not None else []
+    common += [f"doit exit {code}: {err[-1500:]}"] if code != 0 else []
+    common += [f"{len(jobs_submitted(remote))} jobs submitted, want 1"] if len(jobs_submitted(remote)) != 1 else []
+    common += check_run(root, remote, expected_artifacts(root, steps))
+    for result, (mode, _) in zip(results, stretches):
+        result.failures += common
+        if mode in SAID and not any(SAID[mode] in line for line in scheduler_lines(err)):
+            result.failures.append(f"watch never said why it waited ({SAID[mode]!r})")
+    return results
+
+
+def ended_in_outage(root: Path, scheduler: FlakyScheduler, remote: Path, seed: int, cluster, mode: str, polls: int):
+    """squeue and scontrol in `mode` while the job is really cancelled (the real scancel): watch decides nothing
+    while they are down; once they answer it reports the real reason; the job is never submitted again."""
+    from faults_net import Outcome, finish, wait
+
+    result = Outcome(seed, "ended", moment=f"scancel during squeue+scontrol {mode} for {polls} polls")
+    bg = first_step(root, remote)
+    try:
+        job = jobs_submitted(remote)[0]
+        scheduler.set("scontrol", mode)
+        scheduler.set("squeue", mode)
+        cluster.run("scancel", job)  # the job really ends while nobody can ask
+        wait(lambda: not cluster.run("squeue", "-h", "-j", job), 60, f"job {job} to leave the queue")
+        outage(bg, scheduler, "squeue", mode, polls)
+        if bg.proc.poll() is not None:
+            result.failures.append(f"watch decided while the scheduler was down: {bg.text()[-1500:]}")
+        scheduler.heal()
+        code = finish(bg, result, 60)
+    finally:
+        scheduler.heal()
+        bg.kill()
+    err = bg.text()
+    if code == 0 or f"SLURM job {job} was cancelled from outside tether" not in err:
+        result.failures.append(f"the real reason (cancelled) was not reported: {err[-1500:]}")
+    if mode in SAID and not scheduler_lines(err):
+        result.failures.append("watch never said why it waited")
+    if jobs_submitted(remote) != [job]:
+        result.failures.append(f"submitted again: {jobs_submitted(remote)}")
+    return result

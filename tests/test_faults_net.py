@@ -41,3 +41,17 @@ def test_a_silent_link_mid_watch_is_named_within_the_keepalive_bound(lab, tmp_pa
     expected = expected_artifacts(root, steps=40)
     result = link_frozen(root, server, far, "watch", SEED, expected, alive_s=4)
     assert not result.failures, f"seed {SEED} at {result.moment}: {result.failures} {result.notes}"
+
+
+@pytest.mark.parametrize("value", [2, 0, -1, 7200])
+def test_an_alive_timeout_outside_its_range_is_one_line_naming_the_fix(tmp_path, value):
+    from tether import config
+    from tether.errors import ConfigError
+
+    root = make_project(tmp_path / "proj", SSHServer(tmp_path / "sshd"), tmp_path / "far", SEED,
+                        alive_timeout_s=value)
+    with pytest.raises(ConfigError) as caught:
+        config.load(str(root / "tether.yaml"))
+    problems = [p for p in caught.value.problems if "alive_timeout_s" in p]
+    assert len(problems) == 1 and "\n" not in problems[0], caught.value.problems
+    assert f"alive_timeout_s {value:g} is outside 4-3600" in problems[0] and "60 by default" in problems[0], problems

@@ -55,3 +55,19 @@ def test_an_alive_timeout_outside_its_range_is_one_line_naming_the_fix(tmp_path,
     problems = [p for p in caught.value.problems if "alive_timeout_s" in p]
     assert len(problems) == 1 and "\n" not in problems[0], caught.value.problems
     assert f"alive_timeout_s {value:g} is outside 4-3600" in problems[0] and "60 by default" in problems[0], problems
+
+
+def test_a_chunk_writer_whose_channel_dropped_raises_the_drop_again_not_a_buffer_error():
+    """The fault the soak found (sshd killed mid-push): tarfile's close after a dropped channel wrote into a
+    buffer a failed send still had a view of: BufferError, a traceback, instead of the channel's own error."""
+    from tether.remote.protocol import MAX_CHUNK, ChunkWriter
+
+    class Dropped:
+        def write(self, data) -> int:
+            raise ConnectionResetError("the channel dropped")
+
+    writer = ChunkWriter(Dropped())  # type: ignore[arg-type]
+    with pytest.raises(ConnectionResetError):
+        writer.write(b"x" * MAX_CHUNK)
+    with pytest.raises(ConnectionResetError):  # was: BufferError: Existing exports of data
+        writer.write(b"y" * MAX_CHUNK)

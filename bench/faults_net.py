@@ -8,6 +8,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -19,7 +20,7 @@ sys.path.insert(0, str(REPO / "tests"))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 from faults_net import PHASES, Outcome, expected_artifacts, kill_each_phase, link_frozen, make_project  # noqa: E402
-from faults_scheduler import MODES, SLURM, FlakyScheduler, ended_in_outage, healthy_through  # noqa: E402
+from faults_scheduler import MODES, SLURM, FlakyScheduler, ended_in_outage, healthy_through, queued_through  # noqa: E402
 from helpers import stop_leftover_runs  # noqa: E402
 from sshd import SSHServer  # noqa: E402
 
@@ -40,6 +41,9 @@ ABOUT = {
     "flaky squeue": "A healthy SLURM job (the real single-node cluster) watched through squeue outages of seeded "
         "kind (exit 1, a hang past the 2 s timeout, garbage on stdout, empty output) and seeded length (2-6 polls "
         "at poll_interval_s 1), several per run, through a wrapper first on the login node's PATH.",
+    "queued job": "A job held PENDING (sbatch --begin an hour away) while squeue prints garbage, prints nothing "
+        "or fails, each for a seeded 2-5 polls, in seeded order: watch must keep waiting and never submit it again "
+        "(the status-fetch snowball of SkyPilot issue 10155).",
     "ended in outage": "squeue and scontrol fail or hang (seeded) while the job is really scancelled; watch must "
         "decide nothing while they are down and, once they answer, report the job's real end (cancelled from outside).",
 }
@@ -55,6 +59,7 @@ INVARIANTS = {
     "squeue": ["watch does not end during the outage", "watch prints a line naming squeue and its error",
                "the job is submitted once (slurm.json) and never cancelled", "exactly one launch and one exit event",
                "0 restarts; the run completes", "artifacts' SHA-256 equal an uninterrupted run's"],
+    "queued": ["watch does not end while the job is queued", "the job is submitted exactly once (slurm.json)"],
     "ended": ["watch does not end while squeue and scontrol are down",
               "afterwards watch reports the real reason (cancelled from outside tether)",
               "the job is never submitted again"],
@@ -120,6 +125,17 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
                                f"python bench/faults_net.py --seed {seed} --rounds {per_run} --only squeue")
                 finally:
                     remove_remote_dir(cluster, remote)
+            for i in range(-(-args.rounds // per_run) if args.only in ("all", "queued") else 0):
+                seed = args.seed + i
+                remote = new_remote_dir()
+                try:
+                    root = make_project(base / f"q-{i}", scheduler.login, remote, seed, steps=20,
+                                        policy="on-failure", sbatch_options=["--begin=now+3600"], **SLURM)
+                    for outcome in queued_through(root, scheduler, remote, seed):
+                        record(scenarios, "queued job", "queued", outcome,
+                               f"python bench/faults_net.py --seed {seed} --rounds {per_run} --only queued")
+                finally:
+                    remove_remote_dir(cluster, remote)
             for i in range(args.rounds if args.only in ("all", "ended") else 0):
                 seed = args.seed + i
                 rng = random.Random(seed)
@@ -142,9 +158,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, default=1515)
     parser.add_argument("--rounds", type=int, default=10, help="runs per scenario (each kill run hits 3 phases)")
-    parser.add_argument("--only", choices=("all", "ssh", "frozen", "squeue", "ended"), default="all")
+    parser.add_argument("--only", choices=("all", "ssh", "frozen", "squeue", "queued", "ended"), default="all")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped soak still stops its daemons and runs
     command = "python bench/faults_net.py " + " ".join(sys.argv[1:])
     started, began = datetime.now(timezone.utc), time.monotonic()
     print(f"faults_net: seed {args.seed}, {args.rounds} rounds ({command})", flush=True)
@@ -166,7 +183,7 @@ def main() -> int:
 def run_parts(args, base: Path, scenarios: dict) -> None:
     if args.only in ("all", "ssh", "frozen"):
         ssh_rounds(args, base, scenarios)
-    if args.only in ("all", "squeue", "ended"):
+    if args.only in ("all", "squeue", "queued", "ended"):
         slurm_rounds(args, base, scenarios)
 
 

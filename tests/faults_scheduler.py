@@ -152,3 +152,28 @@ def ended_in_outage(root: Path, scheduler: FlakyScheduler, remote: Path, seed: i
     if jobs_submitted(remote) != [job]:
         result.failures.append(f"submitted again: {jobs_submitted(remote)}")
     return result
+
+
+def queued_through(root: Path, scheduler: FlakyScheduler, remote: Path, seed: int):
+    """A job held PENDING while squeue prints garbage, nothing, or fails (seeded order, 2-5 polls each):
+    watch keeps waiting, and the job is never submitted again (the status-fetch snowball)."""
+    import random
+
+    from faults_net import Outcome, start, wait
+
+    rng = random.Random(seed)
+    stretches = [(mode, rng.randint(2, 5)) for mode in rng.sample(("garbage", "empty", "fail"), 3)]
+    results = [Outcome(seed, mode, moment=f"queued; squeue {mode} for {polls} polls") for mode, polls in stretches]
+    bg = start(root, "run", "train")
+    try:
+        wait(lambda: "PENDING" in bg.text() or bg.proc.poll() is not None, 60, "the job to be queued")
+        for result, (mode, polls) in zip(results, stretches):
+            outage(bg, scheduler, "squeue", mode, polls)
+            if bg.proc.poll() is not None:
+                result.failures.append(f"watch ended while the job was queued: {bg.text()[-1500:]}")
+            if len(jobs_submitted(remote)) != 1:
+                result.failures.append(f"submitted again: {jobs_submitted(remote)}")
+    finally:
+        scheduler.heal()
+        bg.kill()
+    return results

@@ -11,7 +11,7 @@ pytest.register_assert_rewrite("slurm_fixtures", "faults_scheduler", "faults_net
 pytest_plugins = ["slurm_fixtures"]  # the session's one real cluster
 
 from faults_net import make_project  # noqa: E402
-from faults_scheduler import MODES, SLURM, FlakyScheduler, ended_in_outage, healthy_through  # noqa: E402
+from faults_scheduler import MODES, SLURM, FlakyScheduler, ended_in_outage, healthy_through, queued_through  # noqa: E402
 from slurm_fixtures import new_remote_dir, remove_remote_dir  # noqa: E402
 
 SEED = int(os.environ.get("TETHER_FAULT_SEED", "1515"))
@@ -43,3 +43,15 @@ def test_a_job_cancelled_while_the_scheduler_is_down_is_reported_with_its_real_r
     root = make_project(tmp_path / "proj", scheduler.login, remote, SEED, steps=400, policy="on-failure", **SLURM)
     result = ended_in_outage(root, scheduler, remote, SEED, cluster, "fail", polls=4)
     assert not result.failures, f"seed {SEED}: {result.failures} {result.notes}"
+
+
+def test_a_queued_job_is_never_submitted_again_while_squeue_lies_or_fails(flaky, tmp_path):
+    """The snowball (a status-fetch error read as "the job is gone", so it is launched again): a job held
+    PENDING (--begin an hour away) while squeue prints garbage, nothing, or fails: watch keeps waiting,
+    no second sbatch."""
+    scheduler, remote = flaky
+    root = make_project(tmp_path / "proj", scheduler.login, remote, SEED, steps=20, policy="on-failure",
+                        sbatch_options=["--begin=now+3600"], **SLURM)
+    results = queued_through(root, scheduler, remote, SEED)
+    failed = [(r.moment, r.failures) for r in results if r.failures]
+    assert not failed, f"seed {SEED} (TETHER_FAULT_SEED={SEED} replays it): {failed}"

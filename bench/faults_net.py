@@ -66,6 +66,11 @@ INVARIANTS = {
 }
 
 
+def replay(args, only: str) -> str:
+    """The command that replays one scenario of this soak (every round of it, the same seeds)."""
+    return f"python bench/faults_net.py --seed {args.seed} --rounds {args.rounds} --only {only}"
+
+
 def record(scenarios: dict, name: str, kind: str, outcome: Outcome, reproduce: str) -> None:
     entry = scenarios.setdefault(name, {"name": name, "about": ABOUT[name], "faults": 0, "survived": 0,
                                         "invariants": INVARIANTS[kind], "failures": [], "reproduce": reproduce})
@@ -89,7 +94,7 @@ def ssh_rounds(args, base: Path, scenarios: dict) -> None:
             expected = expected_artifacts(root, 40)
             for outcome in kill_each_phase(root, server, far, seed, expected, most_outage_s=1.0):
                 record(scenarios, f"sshd killed mid-{outcome.phase}", "kill", outcome,
-                       f"python bench/faults_net.py --seed {seed} --rounds 1 --only ssh")
+                       replay(args, "ssh"))
             stop_leftover_runs(far)
         for i in range(args.rounds if args.only in ("all", "frozen") else 0):
             seed, phase = args.seed + i, PHASES[(args.seed + i) % 3]
@@ -97,7 +102,7 @@ def ssh_rounds(args, base: Path, scenarios: dict) -> None:
             make_project(root, server, far, seed, steps=40, alive_timeout_s=ALIVE_S)
             outcome = link_frozen(root, server, far, phase, seed, expected_artifacts(root, 40), alive_s=ALIVE_S)
             record(scenarios, "silent link", "frozen", outcome,
-                   f"python bench/faults_net.py --seed {seed} --rounds 1 --only frozen")
+                   replay(args, "frozen"))
             stop_leftover_runs(far)
     finally:
         server.thaw(server.sessions() + ([server.process.pid] if server.process else []))
@@ -122,7 +127,7 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
                                         policy="on-failure", **SLURM)
                     for outcome in healthy_through(root, scheduler, remote, seed, 1000, stretches):
                         record(scenarios, "flaky squeue", "squeue", outcome,
-                               f"python bench/faults_net.py --seed {seed} --rounds {per_run} --only squeue")
+                               replay(args, "squeue"))
                 finally:
                     remove_remote_dir(cluster, remote)
             for i in range(-(-args.rounds // per_run) if args.only in ("all", "queued") else 0):
@@ -133,7 +138,7 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
                                         policy="on-failure", sbatch_options=["--begin=now+3600"], **SLURM)
                     for outcome in queued_through(root, scheduler, remote, seed):
                         record(scenarios, "queued job", "queued", outcome,
-                               f"python bench/faults_net.py --seed {seed} --rounds {per_run} --only queued")
+                               replay(args, "queued"))
                 finally:
                     remove_remote_dir(cluster, remote)
             for i in range(args.rounds if args.only in ("all", "ended") else 0):
@@ -146,7 +151,7 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
                     outcome = ended_in_outage(root, scheduler, remote, seed, cluster, rng.choice(("fail", "hang")),
                                               rng.randint(2, 5))
                     record(scenarios, "ended in outage", "ended", outcome,
-                           f"python bench/faults_net.py --seed {seed} --rounds 1 --only ended")
+                           replay(args, "ended"))
                 finally:
                     remove_remote_dir(cluster, remote)
         finally:

@@ -166,7 +166,7 @@ def _submit_array(remote_dir: str, run_dirs: List[str], settings: Dict[str, Any]
     outcomes, todo = {}, []
     for d in run_dirs:
         job_id = known[d].get("job_id")
-        still = job_id and not states[d].get("final") and (job_id in queued or _scheduler_knows(job_id))
+        still = False if not job_id or states[d].get("final") else (job_id in queued or _scheduler_knows(job_id))
         if still is None:  # squeue omitted it, scontrol failed: never risk a second job
             return {"outcome": "error", "error": "scontrol failed, so job %s may still run: try again" % job_id}
         if states[d].get("final"):

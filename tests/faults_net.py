@@ -105,7 +105,7 @@ def make_project(root: Path, server: SSHServer, far: Path, seed: int, steps: int
     (root / "script" / "train.py").write_text(SCRIPT)
     (root / "data" / "points.bin").write_bytes(random.Random(seed).randbytes(16 << 20))
     shutil.copy(REPO / "dodo.py", root / "dodo.py")
-    settings = server.backend_config(far, connect_timeout_s=3, **backend)
+    settings = server.backend_config(far, **dict({"connect_timeout_s": 3}, **backend))
     settings = {k: v for k, v in settings.items() if k not in drop}
     (root / "tether.yaml").write_text(CONFIG.format(steps=steps, sleep=sleep, policy=policy,
                                                     backend=json.dumps(settings)))
@@ -272,7 +272,7 @@ BOUND_SLACK_S = 6.0  # process starts and one poll interval on a loaded two-core
 
 
 def link_frozen(root: Path, server: SSHServer, far: Path, phase: str, seed: int, expected: dict[str, str],
-                alive_s: float, connect_s: float = 3) -> Outcome:
+                alive_s: float, connect_s: float = 3) -> Outcome:  # connect_s: the project's connect_timeout_s
     """`doit run train`; at a seeded moment of `phase` sshd (listener and sessions) is SIGSTOPped, a link that
     goes silent without closing: within alive_timeout_s + connect_timeout_s (+ slack) doit must say so in one
     line naming the host and what to do; then sshd is continued and the run completes (rerun if doit ended)."""

@@ -154,15 +154,15 @@ def ended_in_outage(root: Path, scheduler: FlakyScheduler, remote: Path, seed: i
     return result
 
 
-def queued_through(root: Path, scheduler: FlakyScheduler, remote: Path, seed: int):
-    """A job held PENDING while squeue prints garbage, nothing, or fails (seeded order, 2-5 polls each):
+def queued_through(root: Path, scheduler: FlakyScheduler, remote: Path, seed: int, most_polls: int = 5):
+    """A job held PENDING while squeue prints garbage, nothing, or fails (seeded order, 2-most_polls polls each):
     watch keeps waiting, and the job is never submitted again (the status-fetch snowball)."""
     import random
 
     from faults_net import Outcome, start, wait
 
     rng = random.Random(seed)
-    stretches = [(mode, rng.randint(2, 5)) for mode in rng.sample(("garbage", "empty", "fail"), 3)]
+    stretches = [(mode, rng.randint(2, most_polls)) for mode in rng.sample(("garbage", "empty", "fail"), 3)]
     results = [Outcome(seed, mode, moment=f"queued; squeue {mode} for {polls} polls") for mode, polls in stretches]
     bg = start(root, "run", "train")
     try:

@@ -35,11 +35,11 @@ def test_sshd_killed_mid_push_watch_and_pull_the_run_is_unaffected(lab, tmp_path
 
 def test_a_silent_link_mid_watch_is_named_within_the_keepalive_bound(lab, tmp_path):
     """sshd SIGSTOPped (nothing closes, nothing answers): with alive_timeout_s 4 watch names the host and
-    says it retries within 4 + connect_timeout_s (+ slack) seconds, and completes once sshd continues."""
+    says it retries within 4 + 2 (connect_timeout_s) + slack seconds, and completes once sshd continues."""
     server, far = lab
-    root = make_project(tmp_path / "proj", server, far, SEED, steps=40, alive_timeout_s=4)
+    root = make_project(tmp_path / "proj", server, far, SEED, steps=40, alive_timeout_s=4, connect_timeout_s=2)
     expected = expected_artifacts(root, steps=40)
-    result = link_frozen(root, server, far, "watch", SEED, expected, alive_s=4)
+    result = link_frozen(root, server, far, "watch", SEED, expected, alive_s=4, connect_s=2)
     assert not result.failures, f"seed {SEED} at {result.moment}: {result.failures} {result.notes}"
 
 

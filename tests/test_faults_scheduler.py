@@ -41,7 +41,7 @@ def test_a_healthy_job_outlives_squeue_failing_hanging_garbled_and_empty(flaky, 
 def test_a_job_cancelled_while_the_scheduler_is_down_is_reported_with_its_real_reason(flaky, tmp_path, cluster):
     scheduler, remote = flaky
     root = make_project(tmp_path / "proj", scheduler.login, remote, SEED, steps=400, policy="on-failure", **SLURM)
-    result = ended_in_outage(root, scheduler, remote, SEED, cluster, "fail", polls=4)
+    result = ended_in_outage(root, scheduler, remote, SEED, cluster, "fail", polls=3)
     assert not result.failures, f"seed {SEED}: {result.failures} {result.notes}"
 
 
@@ -52,6 +52,6 @@ def test_a_queued_job_is_never_submitted_again_while_squeue_lies_or_fails(flaky,
     scheduler, remote = flaky
     root = make_project(tmp_path / "proj", scheduler.login, remote, SEED, steps=20, policy="on-failure",
                         sbatch_options=["--begin=now+3600"], **SLURM)
-    results = queued_through(root, scheduler, remote, SEED)
+    results = queued_through(root, scheduler, remote, SEED, most_polls=2)
     failed = [(r.moment, r.failures) for r in results if r.failures]
     assert not failed, f"seed {SEED} (TETHER_FAULT_SEED={SEED} replays it): {failed}"

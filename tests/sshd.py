@@ -103,6 +103,32 @@ class SSHServer:
                     pass
         self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL the listener and every live session at once, as a crash or an OOM kill would."""
+        if self.process and self.process.poll() is None:
+            for pid in [self.process.pid, *self.sessions()]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def freeze(self, listener: bool = True) -> list[int]:
+        """SIGSTOP the live sessions (and the listener): the link goes silent, nothing closes; the pids."""
+        pids = self.sessions() + ([self.process.pid] if listener and self.process else [])
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw(self, pids: list[int]) -> None:
+        """SIGCONT what `freeze` stopped (gone ones skipped)."""
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def backend_config(self, remote_dir: Path, **extra) -> dict:
         """The keys of a `type: ssh` backend that reaches this server."""
         import sys

@@ -117,6 +117,8 @@ class FarSide:
                 return channel.request(command, given, answer, receive)
             except ChannelLost as err:
                 self.reconnect()
+                if last and err.code == 255:  # ssh's own failure (a silent link): the transport says why
+                    raise self.backend.explain_lost(err) from None
                 if last:
                     raise BackendError(f"{self.backend.where}: the connection was lost ({err}): "
                                        f"run the command again") from None

@@ -32,6 +32,12 @@ SAFE_DIR = re.compile(r"^(~/)?[A-Za-z0-9._/-]+$")
 # default chacha20-poly1305 (AES-NI); the others stay for servers that lack it.
 CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes128-ctr", "aes192-ctr", "aes256-ctr"]
+ALIVE_PROBES = 4  # keepalive probes in alive_timeout_s (OpenSSH's ServerAliveCountMax, asyncssh's count_max)
+
+
+def alive_interval_s(cfg: "Connection") -> int:
+    """Seconds between keepalive probes: ALIVE_PROBES unanswered ones end the link (whole seconds: OpenSSH's unit)."""
+    return max(1, round(cfg.alive_timeout_s / ALIVE_PROBES))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +58,7 @@ class Connection(Shared):
     known_hosts: Optional[str] = None
     stall_timeout_s: Optional[float] = 60.0  # a transfer that moves no byte this long is ended (null: never)
     reuse_connection_s: float = 300.0  # OpenSSH keeps the connection this long for the next command (0: never)
+    alive_timeout_s: float = 60.0  # a link that answers no keepalive this long is dropped (4 probes in it)
 
     def problems(self) -> list[str]:
         found = super().problems()
@@ -67,6 +74,10 @@ class Connection(Shared):
         elif not SAFE_DIR.fullmatch(self.remote_dir) or ".." in self.remote_dir.split("/"):
             found.append(f"remote_dir {self.remote_dir!r}: use letters, digits and ._-/ (a leading ~/ "
                          f"is the far side's home), without '..'")
+        if not ALIVE_PROBES <= self.alive_timeout_s <= 3600:
+            found.append(f"alive_timeout_s {self.alive_timeout_s:g} is outside {ALIVE_PROBES}-3600: give the seconds "
+                         f"a silent link may last before it is dropped (OpenSSH probes it {ALIVE_PROBES} times, "
+                         f"at most once a second); 60 by default")
         if not re.fullmatch(r"[A-Za-z0-9._/+-]+", self.python):
             found.append(f"python {self.python!r}: give an interpreter name or path (no spaces or quotes)")
         return found
@@ -159,7 +170,7 @@ class SSHTransport(Transport):
         args: dict = {"known_hosts": os.path.expanduser(cfg.known_hosts) if cfg.known_hosts else (),
                       "connect_timeout": cfg.connect_timeout_s, "login_timeout": cfg.connect_timeout_s,
                       "skip_instance_cache": True, "timeout": cfg.connect_timeout_s + 5,
-                      "keepalive_interval": 15, "keepalive_count_max": 4, "encryption_algs": CIPHERS}
+                      "keepalive_interval": alive_interval_s(cfg), "keepalive_count_max": ALIVE_PROBES, "encryption_algs": CIPHERS}
         if cfg.ssh_config:
             args["config"] = [os.path.expanduser(cfg.ssh_config)]
         if cfg.user:
@@ -217,7 +228,8 @@ def _ssh_words(cfg: Connection) -> list[str]:
 def ssh_argv(cfg: Connection) -> list[str]:
     """The ssh command line of the serve channel (the command to run follows it)."""
     words = _ssh_words(cfg) + ["-T", "-o", f"ConnectTimeout={max(1, round(cfg.connect_timeout_s))}",
-                               "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+                               "-o", f"ServerAliveInterval={alive_interval_s(cfg)}",
+                               "-o", f"ServerAliveCountMax={ALIVE_PROBES}"]
     if cfg.reuse_connection_s > 0:  # the next invocation skips the handshake (as SkyPilot and Ansible do)
         words += ["-o", "ControlMaster=auto", "-o", f"ControlPath={control_dir()}/{_settings_key(cfg)}-%C",
                   "-o", f"ControlPersist={max(1, round(cfg.reuse_connection_s))}"]
@@ -228,7 +240,7 @@ def ssh_argv(cfg: Connection) -> list[str]:
 def _settings_key(cfg: Connection) -> str:
     """What else picks the connection (%C covers host, port and user): another key, known_hosts file
     or ssh config gets a connection of its own, never one made and checked with other settings."""
-    words = [cfg.identity_file or "", cfg.known_hosts or "", cfg.ssh_config or ""]
+    words = [cfg.identity_file or "", cfg.known_hosts or "", cfg.ssh_config or "", str(alive_interval_s(cfg))]
     return hashlib.sha256("\0".join(words).encode()).hexdigest()[:12]
 
 
@@ -260,6 +272,10 @@ def ssh_refusal(cfg: Connection, stderr: str, code: Optional[int], python: str) 
         return BackendError(f"{where}: host key not verified ({said}). A new server: check its "
                             f"fingerprint, then `ssh {cfg.host} true` once to record it (or set known_hosts:). "
                             f"A changed key: find out why before you remove the old entry")
+    if "not responding" in stderr:  # ServerAlive: the link or the host went silent mid-command
+        return BackendError(f"{where}: no answer to {ALIVE_PROBES} keepalives in alive_timeout_s "
+                            f"({cfg.alive_timeout_s:g}s): the link or the host is down (a run there goes on); "
+                            f"run the command again once `ssh {cfg.host} true` answers")
     if "timed out" in stderr.lower():
         return BackendError(f"{where}: no answer within connect_timeout_s ({cfg.connect_timeout_s:g}s): "
                             f"is the host up and the port right?")

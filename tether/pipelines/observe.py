@@ -125,6 +125,8 @@ def queue_text(snap: Snapshot) -> Optional[str]:
     """The scheduler's view, e.g. `job 12_3 PENDING (Priority)` or `job 12 RUNNING on node07`;
     None off a scheduler."""
     queue = snap.queue
+    if snap.queue_error:  # the scheduler did not answer: say so, decide nothing
+        return f"job {snap.job_id}: {snap.queue_error}; waiting for the scheduler (the job is left alone)"
     if not queue:
         return None
     reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""

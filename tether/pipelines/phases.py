@@ -226,7 +226,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
             _show_far_side(progress, run, snap, seen)
             if snap.final and ensure_sealed(s, run, snap):
                 break  # final and sealed: pull can start
-            if snap.status in ENDED_BADLY and not snap.alive and _settled(s, snap, seen):
+            if snap.status in ENDED_BADLY and not snap.alive and not snap.queue_error and _settled(s, snap, seen):
                 _restart(s, run, snap)  # no launcher left to restart it: the policy is applied from here
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)

@@ -111,34 +111,47 @@ def probe_all(run_dirs: List[str]) -> Dict[str, Dict[str, Any]]:
     jobs = {d: scheduler.job_of(d) for d in run_dirs if snapshots[d]["status"] != "absent"}
     jobs = {d: j for d, j in jobs.items() if j}
     if jobs:
-        queued = scheduler.queue(sorted(set(jobs.values())))
+        queued, why = scheduler.queue_or_error(sorted(set(jobs.values())))
         for run_dir, job_id in jobs.items():
-            _with_queue(run_dir, snapshots[run_dir], job_id, queued)
+            _with_queue(run_dir, snapshots[run_dir], job_id, queued, why)
     return snapshots
 
 
-def _with_queue(run_dir: str, snap: Dict[str, Any], job_id: str, queued: Optional[Dict[str, Any]]) -> None:
+def _with_queue(run_dir: str, snap: Dict[str, Any], job_id: str, queued: Optional[Dict[str, Any]],
+                why: str = "") -> None:
     """Let the scheduler's view decide queued/running/gone (squeue failing changes nothing)."""
     snap["job_id"] = job_id
     if queued is None:
-        snap["queue_error"] = "squeue failed: the run's state is read from its files only"
+        snap["queue_error"] = "%s: the run's state is read from its files only" % why
         return
     entry = queued.get(job_id)
     if entry:
-        snap["queue"] = entry
-        snap["alive"] = True
-        if entry["state"] in scheduler.QUEUED and not snap["final"]:
-            snap["status"] = "pending"
-        elif entry["state"] in scheduler.ACTIVE and snap["status"] in ("pending", "lost", "preempted"):
-            snap["status"] = "running"
+        _in_queue(snap, entry)
         return
     if not snap["final"] and not snap["alive"]:
         stopped = os.path.exists(run_file(run_dir, "stop_requested"))
         snap["scheduler"] = scheduler.describe(run_dir, job_id, stopped)
-        if snap["scheduler"]["job_state"] == "CANCELLED" and not stopped:
+        state = snap["scheduler"]["job_state"]
+        if snap["scheduler"].get("unknown"):  # squeue had no line for it and scontrol failed: decide nothing
+            snap["queue_error"] = "squeue did not list job %s and scontrol failed: the run's state is read " \
+                                  "from its files only" % job_id
+        elif state in scheduler.QUEUED or state in scheduler.ACTIVE:  # squeue left it out: scontrol knows it
+            _in_queue(snap, {"state": state, "reason": snap["scheduler"].get("reason") or "",
+                             "nodes": snap["scheduler"].get("node") or ""})
+            del snap["scheduler"]
+        elif state == "CANCELLED" and not stopped:
             snap["status"] = "cancelled"
         elif snap["status"] == "pending":
             snap["status"] = "lost"
+
+
+def _in_queue(snap: Dict[str, Any], entry: Dict[str, str]) -> None:
+    snap["queue"] = entry
+    snap["alive"] = True
+    if entry["state"] in scheduler.QUEUED and not snap["final"]:
+        snap["status"] = "pending"
+    elif entry["state"] in scheduler.ACTIVE and snap["status"] in ("pending", "lost", "preempted"):
+        snap["status"] = "running"
 
 
 def _wait_until_dead(run_dir: str, pgid: int, seconds: float) -> bool:

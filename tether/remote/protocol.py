@@ -306,12 +306,15 @@ class ChunkWriter:
         return len(data)
 
     def _send(self) -> None:
-        with memoryview(self._buffer) as view:
+        # The buffer is swapped out first and every view released even when a write fails: a view
+        # left exported would make the next write (tarfile's close after a dropped channel) raise
+        # BufferError and hide the real error behind a traceback.
+        data, self._buffer = self._buffer, bytearray()
+        with memoryview(data) as view:
             for start in range(0, len(view), MAX_CHUNK):
-                part = view[start:start + MAX_CHUNK]
-                self._out.write(CHUNK_HEADER.pack(len(part)))
-                self._out.write(part)
-        self._buffer = bytearray()
+                with view[start:start + MAX_CHUNK] as part:
+                    self._out.write(CHUNK_HEADER.pack(len(part)))
+                    self._out.write(part)
 
     def flush(self) -> None:
         self._send()

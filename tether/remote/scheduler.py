@@ -10,11 +10,12 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from tether.remote.fileio import atomic_write, atomic_write_json, read_json
 from tether.remote.rundir import event, write_private
@@ -30,8 +31,28 @@ REASONS = {  # scontrol's JobState, in words
 }
 
 
+TIMEOUT_S = float(os.environ.get("TETHER_SCHEDULER_TIMEOUT_S") or 30)  # one squeue or scontrol, at most
+JOB_ID = re.compile(r"^\d+(_\d+)?$")  # squeue -r lists array elements one by one: 12_3
+STATE = re.compile(r"^[A-Z_]+$")
+FORGOTTEN = "Invalid job id"  # what squeue and scontrol say of a job the scheduler no longer knows
+
+
 def _run(argv: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def _ask(argv: List[str]) -> Tuple[Optional[subprocess.CompletedProcess], str]:
+    """One scheduler command within TIMEOUT_S: (its result, '') or (None, why it failed, in one line)."""
+    try:
+        done = _run(argv, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, "%s did not answer within %g s" % (argv[0], TIMEOUT_S)
+    except OSError as err:
+        return None, "%s: %s" % (argv[0], err.strerror or err)
+    if done.returncode != 0 and FORGOTTEN not in done.stderr:
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1][:300]
+        return None, "%s exited %d: %s" % (argv[0], done.returncode, said)
+    return done, ""
 
 
 def job_of(run_dir: str) -> Optional[str]:
@@ -40,37 +61,48 @@ def job_of(run_dir: str) -> Optional[str]:
 
 def queue(job_ids: List[str]) -> Optional[Dict[str, Dict[str, str]]]:
     """{job id: {state, reason, nodes}} for the queued or running ones, in ONE squeue call; None on failure."""
+    return queue_or_error(job_ids)[0]
+
+
+def queue_or_error(job_ids: List[str]) -> Tuple[Optional[Dict[str, Dict[str, str]]], str]:
+    """queue()'s answer and, when it is None, why: a failing, hanging or garbled squeue must never make
+    a healthy job look gone (a line that is not `ID|STATE|REASON|NODES` fails the whole answer)."""
     if not job_ids:
-        return {}
-    try:
-        done = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"], timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0 and "Invalid job id" not in done.stderr:
-        return None  # a failing squeue must never make a healthy job look gone
+        return {}, ""
+    done, why = _ask(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"])
+    if done is None:
+        return None, why
     found = {}
     for line in done.stdout.splitlines():
-        job, state, reason, nodes = (line.split("|") + ["", "", ""])[:4]
-        found[job.strip()] = {"state": state, "reason": reason, "nodes": nodes}
-    return found
+        fields = line.split("|")
+        if len(fields) != 4 or not JOB_ID.match(fields[0].strip()) or not STATE.match(fields[1]):
+            return None, "squeue printed an unreadable line: %r" % line[:200]
+        found[fields[0].strip()] = {"state": fields[1], "reason": fields[2], "nodes": fields[3]}
+    return found, ""
 
 
-def job_details(job_id: str) -> Dict[str, str]:
-    """`scontrol show job -o` as a dict (empty once the scheduler has forgotten the job)."""
-    try:
-        done = _run(["scontrol", "show", "job", "-o", job_id], timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
+def job_details(job_id: str) -> Optional[Dict[str, str]]:
+    """`scontrol show job -o` as a dict (empty once the scheduler has forgotten the job; None: scontrol failed)."""
+    done, _ = _ask(["scontrol", "show", "job", "-o", job_id])
+    if done is None:
+        return None
+    if done.returncode != 0:
+        return {}  # FORGOTTEN
     details = {}
     for word in done.stdout.split():
         key, _, value = word.partition("=")
         details[key] = value
-    return details if done.returncode == 0 else {}
+    if "JobId" not in details:
+        return None  # garbage: scontrol's answer always starts with JobId=
+    return details
 
 
 def describe(run_dir: str, job_id: str, stopped_by_tether: bool) -> Dict[str, Any]:
     """Why a job left the queue: JobState, Reason and ExitCode from scontrol, the exit-code file, in words."""
     details = job_details(job_id)
+    if details is None:  # scontrol failed: nothing is known, so nothing is decided
+        return {"job_state": None, "reason": None, "words": "is unknown (scontrol failed)", "exit_code": None,
+                "node": None, "unknown": True}
     state = details.get("JobState", "")
     words = REASONS.get(state, state.lower() or "left the queue (the scheduler no longer knows it)")
     if state == "CANCELLED" and stopped_by_tether:
@@ -93,7 +125,10 @@ def submit(run_dir: str, settings: Dict[str, Any]) -> Dict[str, Any]:
             queued = queue([known["job_id"]])
             if queued is None:  # cannot tell whether the job still runs: never risk a second one
                 return {"outcome": "error", "error": "squeue failed, so job %s may still run: try again" % known["job_id"]}
-            if known["job_id"] in queued:
+            still = known["job_id"] in queued or _scheduler_knows(known["job_id"])
+            if still is None:  # squeue omitted it, scontrol failed: never risk a second job
+                return {"outcome": "error", "error": "scontrol failed, so job %s may still run: try again" % known["job_id"]}
+            if still:
                 return {"outcome": "running", "job_id": known["job_id"], "flags": known.get("flags"), "state": state}
         write_private(os.path.join(run_dir, "launch_env.json"), settings.get("env") or {})  # secrets: 0600
         script = os.path.join(run_dir, "job.sh")
@@ -131,9 +166,12 @@ def _submit_array(remote_dir: str, run_dirs: List[str], settings: Dict[str, Any]
     outcomes, todo = {}, []
     for d in run_dirs:
         job_id = known[d].get("job_id")
+        still = False if not job_id or states[d].get("final") else (job_id in queued or _scheduler_knows(job_id))
+        if still is None:  # squeue omitted it, scontrol failed: never risk a second job
+            return {"outcome": "error", "error": "scontrol failed, so job %s may still run: try again" % job_id}
         if states[d].get("final"):
             outcomes[d] = {"outcome": "finished", "job_id": job_id, "state": states[d]}
-        elif job_id in queued:
+        elif still:
             outcomes[d] = {"outcome": "running", "job_id": job_id, "state": states[d]}
         else:
             todo.append(d)
@@ -161,6 +199,14 @@ def _submit_array(remote_dir: str, run_dirs: List[str], settings: Dict[str, Any]
     return dict(result, array_job=array_job, flags=flags)
 
 
+def _scheduler_knows(job_id: str) -> Optional[bool]:
+    """Whether scontrol still has the job queued or running (squeue may have left it out); None: scontrol failed."""
+    details = job_details(job_id)
+    if details is None:
+        return None
+    return details.get("JobState") in QUEUED + ACTIVE
+
+
 def _record_job(run_dir: str, job_id: str, flags: List[str], known: Dict[str, Any], state: Dict[str, Any],
                 **extra: Any) -> None:
     """slurm.json (which job runs this run), a `submit` event, and the state `pending` with the job."""
@@ -175,7 +221,10 @@ def _record_job(run_dir: str, job_id: str, flags: List[str], known: Dict[str, An
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     """SIGTERM to the job's script and to its steps' tasks, plain scancel after grace_s; report what happened."""
     job_id = job_of(run_dir)
-    if not job_id or not (queue([job_id]) or {}).get(job_id):
+    queued, why = queue_or_error([job_id]) if job_id else ({}, "")
+    if queued is None:  # never report "was not running" for a job squeue could not be asked about
+        return {"outcome": "error", "job_id": job_id, "error": "%s, so job %s may still run: try again" % (why, job_id)}
+    if not queued.get(job_id):
         return {"outcome": "was not running", "job_id": job_id}
     atomic_write_json(os.path.join(run_dir, "stop_requested"), {"at": time.time()})
     if (queue([job_id]) or {}).get(job_id, {}).get("state") in QUEUED:

@@ -289,6 +289,15 @@ def rerun(root: Path, moment: Moment, site: Site, failures: list[str], tries: in
     return tries
 
 
+def next_second() -> None:
+    """Wait for the wall clock's next second: a rerun comes later than its kill, as a user's would, and a
+    run id carries the second it was minted in (so a rerun within the same second would hide a second run)."""
+    now = int(time.time())
+    deadline = time.monotonic() + 2
+    while int(time.time()) == now and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def try_down_early(root: Path, site: Site, failures: list[str]) -> None:
     """`down confirm=yes` right after the kill, before anything is verified: it must refuse, deleting nothing."""
     if any((r / "PULL_VERIFIED.json").exists() for r in local_runs(root)) or not local_runs(root):
@@ -309,6 +318,7 @@ def run_moment(base: Path, site: Site, moment: Moment, expected: dict[str, str],
         before = check_all(root, site, expected, runs=1) if moment.command == "down" else []
         failures.extend(f"before the kill: {f}" for f in before)
         landed = kill_at(root, moment, base / "trace.jsonl")
+        next_second()
         failures.extend(down_gate(root, site))
         if early_down and moment.command == "train":
             try_down_early(root, site, failures)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import time
 from types import MappingProxyType
@@ -25,6 +27,7 @@ from tether.remote.fileio import atomic_write_json, read_json
 from tether.remote.protocol import Snapshot
 from tether.sweep import Point
 
+UNRECORDED = re.compile(r"\.run\.json\.tmp-(\d+)$")  # fileio.atomic_write's temporary of a run.json
 # What run.json holds besides the launch spec (so the spec can be read back out of a record).
 RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_hash", "code_hash", "data_hash",
                  "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of", "controls")
@@ -100,6 +103,7 @@ class RunResolver:
     def create(self) -> RunPaths:
         """Mint a run id for this job and record it locally (run.json), before anything else."""
         identity = self.identity()
+        forget_unrecorded(runs_dir(self.state_dir))
         run = self.paths(mint_run_id(self.job.name, identity.job_hash))
         record = dict(identity.launch_spec, run_id=run.run_id, name=self.job.name, config=self.job.source,
                       backend=self.job.backend, backend_type=self.backend.type, job_hash=identity.job_hash,
@@ -127,6 +131,27 @@ class RunResolver:
 
     def record(self, run: RunPaths) -> dict[str, Any]:
         return read_json(run.run_json) or {}
+
+
+def forget_unrecorded(folder: str) -> None:
+    """Remove run folders whose run.json never landed (its writer was killed before the rename: only
+    that dead process's temporary is there): such a run was never recorded, nothing was sent for it."""
+    for run_id in os.listdir(folder) if os.path.isdir(folder) else ():
+        path = os.path.join(folder, run_id)
+        names = os.listdir(path) if os.path.isdir(path) else []
+        writers = [UNRECORDED.match(name) for name in names]
+        if names and all(w and not _alive(int(w.group(1))) for w in writers):
+            shutil.rmtree(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SnapshotCache:

@@ -24,6 +24,7 @@ LOCAL = [
     ("pull", r"^far send"),                                    # the far side streaming the files
     ("verify", r"^write .*PULL_VERIFIED\.json"),
     ("down", r"^far remove"),                                  # the far side deleting the run dir
+    ("down", r"^write .*down\.json"),                          # removed, its stamp not yet written
     ("repro", r"^far start"),                                  # the reproduction's launch
 ]
 SSH = [("train", r"^far start"), ("pull", r"^far send")]
@@ -64,6 +65,25 @@ def test_killed_after_a_seeded_delay_the_rerun_finishes_and_loses_nothing(tmp_pa
 def test_killed_over_ssh_the_rerun_finishes_and_loses_nothing(tmp_path, sshd, expected, command, match):
     moment = kp.Moment(command, "match", 0, match)
     check(kp.run_moment(tmp_path, kp.Site("ssh", sshd), moment, expected), "ssh")
+
+
+def test_down_killed_before_its_teardown_command_runs_it_on_the_rerun(tmp_path):
+    """A rented box: `down` killed after removing the run dir, before its teardown_command: the rerun runs it."""
+    root = kp.new_project(tmp_path, kp.Site("local"))
+    marker = tmp_path / "terminated"
+    config = root / "tether.yaml"
+    config.write_text(config.read_text().replace("local: {type: local}",
+                                                 f'local: {{type: local, teardown_command: "echo ran >> {marker}"}}'))
+    kp.must(kp.doit(root, "run", "train"), "doit run train")
+    proc = kp.start_armed(root, kp.argv("down", root), tmp_path / "trace.jsonl", -1, r"^spawn sh -c")
+    proc.wait(timeout=120)
+    landed = kp.read_trace(tmp_path / "trace.jsonl")[-1]
+    assert landed["killed"] and not marker.exists(), landed
+    assert not (kp.local_runs(root)[0] / "down.json").exists()
+    done = kp.doit(root, *kp.DOWN)
+    assert done.returncode == 0, done.stderr
+    assert marker.read_text() == "ran\n" and (kp.local_runs(root)[0] / "down.json").is_file()
+    assert kp.down_gate(root, kp.Site("local")) == []
 
 
 def test_the_schedule_is_seeded_and_covers_every_distinct_event():

@@ -57,12 +57,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ssh", type=int, default=50, help="moments over ssh (a real sshd on 127.0.0.1)")
     p.add_argument("--only", default="", help="COMMAND:KIND:AT, one moment (from a failure's reproduce line)")
     p.add_argument("--backend", default="", help="with --only: local or ssh")
+    p.add_argument("--scenario", default="", help="COMMAND:BACKEND, only that scenario of the same schedule")
     p.add_argument("--max-seconds", type=float, default=3600, help="stop scheduling new moments after this")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "faults_kill.json"))
     return p.parse_args()
 
 
-def scenario(seed: int, site: kp.Site, command: str, outcomes: list[kp.Outcome], calibration: kp.Timeline) -> dict:
+def scenario(args: argparse.Namespace, site: kp.Site, command: str, outcomes: list[kp.Outcome],
+             calibration: kp.Timeline) -> dict:
+    seed = args.seed
     missed = [o for o in outcomes if o.landed.startswith("after the end")]  # no fault injected: not counted
     outcomes = [o for o in outcomes if o not in missed]
     failures = [{"seed": seed, "moment": f"{o.moment.kind} {o.moment.at:g} ({o.landed})",
@@ -75,13 +78,16 @@ def scenario(seed: int, site: kp.Site, command: str, outcomes: list[kp.Outcome],
             "invariants": kp.INVARIANTS, "failures": failures,
             "calibration": {"events": len(calibration.events), "seconds": round(calibration.seconds, 2)},
             "moments_landed": landed, "finished_before_the_kill": len(missed), "reruns": sum(o.reruns for o in outcomes),
-            "reproduce": f"python bench/faults_kill.py --seed {seed} --{site.backend} {len(outcomes)}"}
+            "reproduce": f"python bench/faults_kill.py --seed {seed} --local {args.local} --ssh {args.ssh} "
+                         f"--scenario {command}:{site.backend}"}
 
 
-def soak_site(seed: int, site: kp.Site, total: int, share: dict[str, float], base: Path, deadline: float) -> list[dict]:
-    expected = kp.reference(base / "reference", site)
-    out = []
+def soak_site(args: argparse.Namespace, site: kp.Site, total: int, share: dict[str, float], base: Path,
+              deadline: float) -> list[dict]:
+    seed, expected, out = args.seed, kp.reference(base / "reference", site), []
     for command, n in counts(total, share).items():
+        if args.scenario and args.scenario != f"{command}:{site.backend}":
+            continue
         timeline = kp.calibrate(base / f"calibrate-{command}", site, command)
         outcomes = []
         for i, moment in enumerate(kp.schedule(seed, timeline, n)):
@@ -91,7 +97,7 @@ def soak_site(seed: int, site: kp.Site, total: int, share: dict[str, float], bas
             outcomes.append(o)
             print(f"{site.backend:5} {command:6} {moment.kind:5} {moment.at:<7g} {o.landed[:70]:70} "
                   f"{'ok' if not o.failures else 'FAIL ' + '; '.join(o.failures)[:200]}", flush=True)
-        out.append(scenario(seed, site, command, outcomes, timeline))
+        out.append(scenario(args, site, command, outcomes, timeline))
     return out
 
 
@@ -116,9 +122,10 @@ def main() -> int:
         try:
             if args.only:
                 return replay(args, base, server)
-            scenarios += soak_site(args.seed, kp.Site("local"), args.local, SHARE, base / "local", deadline)
+            if args.local:
+                scenarios += soak_site(args, kp.Site("local"), args.local, SHARE, base / "local", deadline)
             if args.ssh:
-                scenarios += soak_site(args.seed, kp.Site("ssh", server), args.ssh, SSH_SHARE, base / "ssh", deadline)
+                scenarios += soak_site(args, kp.Site("ssh", server), args.ssh, SSH_SHARE, base / "ssh", deadline)
         finally:
             if server is not None:
                 server.stop()

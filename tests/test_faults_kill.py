@@ -13,7 +13,8 @@ SEED = int(os.environ.get("TETHER_FAULT_SEED", "15"))
 
 # (command, regex of the traced event to die at): one or more per phase, each far-side command and file write
 LOCAL = [
-    ("train", r"^rename .*/\.run\.json\.tmp"),                # a run minted, its run.json not yet in place
+    ("train", r"^write .*/\.run\.json\.tmp"),                 # a run minted, its run.json not yet written
+    ("train", r"^rename .*/\.run\.json\.tmp"),                # ... written, not yet renamed into place
     ("train", r"^far push"),                                   # push: the far side unpacking the snapshot
     ("train", r"^far start"),                                  # launch: the far side starting the launcher
     ("train", r"^rename .*launch\.json"),                      # launch's stamp, before its rename

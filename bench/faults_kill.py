@@ -122,10 +122,10 @@ def main() -> int:
         try:
             if args.only:
                 return replay(args, base, server)
-            if args.local:
-                scenarios += soak_site(args, kp.Site("local"), args.local, SHARE, base / "local", deadline)
             if args.ssh:
                 scenarios += soak_site(args, kp.Site("ssh", server), args.ssh, SSH_SHARE, base / "ssh", deadline)
+            if args.local:
+                scenarios += soak_site(args, kp.Site("local"), args.local, SHARE, base / "local", deadline)
         finally:
             if server is not None:
                 server.stop()

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -110,6 +111,7 @@ def table(scenarios: list[dict]) -> str:
 
 def main() -> int:
     args = parse()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped soak still stops its sshd and cleans up
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
     deadline = t0 + args.max_seconds
     scenarios: list[dict] = []

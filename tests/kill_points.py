@@ -219,8 +219,8 @@ def reference(base: Path, site: Site) -> dict[str, str]:
 
 
 def schedule(seed: int, timeline: Timeline, count: int) -> list[Moment]:
-    """`count` distinct moments: every distinct traced event first (in order), then seeded event indices
-    and seeded delays over the calibrated wall time, half and half."""
+    """`count` distinct moments: every distinct traced event first (in order, each matched by its label),
+    then seeded event indices and seeded delays over the calibrated wall time, half and half."""
     rng = random.Random(f"{seed}:{timeline.command}")
     firsts: dict[str, int] = {}
     for e in timeline.events:
@@ -229,16 +229,18 @@ def schedule(seed: int, timeline: Timeline, count: int) -> list[Moment]:
     chosen = sorted(firsts.values())
     if len(chosen) > count:
         chosen = sorted(rng.sample(chosen, count))
-    moments = [Moment(timeline.command, "event", n, labels[n]) for n in chosen]
+    # each distinct event by its label (the first event that matches it), whatever the count before it
+    moments = [Moment(timeline.command, "match", n, f"^{re.escape(labels[n])}$") for n in chosen]
     seen = {(m.kind, m.at) for m in moments}
+    last = max(1, len(timeline.events) - 3)  # a later run may poll fewer times than the calibrated one
     tries = 0
     while len(moments) < count and tries < 100 * count:
         tries += 1
         if rng.random() < 0.5 and timeline.events:
-            n = rng.randint(1, len(timeline.events))
+            n = rng.randint(1, last)
             m = Moment(timeline.command, "event", n, labels[n])
         else:
-            m = Moment(timeline.command, "delay", round(rng.uniform(0.05, timeline.seconds), 3))
+            m = Moment(timeline.command, "delay", round(rng.uniform(0.05, 0.95 * timeline.seconds), 3))
         if (m.kind, m.at) not in seen:
             seen.add((m.kind, m.at))
             moments.append(m)

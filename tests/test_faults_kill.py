@@ -93,5 +93,6 @@ def test_the_schedule_is_seeded_and_covers_every_distinct_event():
     timeline = kp.Timeline("train", events, 2.0)
     first, again = kp.schedule(7, timeline, 8), kp.schedule(7, timeline, 8)
     assert first == again and len(set(first)) == 8
-    assert {m.label for m in first if m.kind == "event"} >= {"far push", "write a", "far probe", "rename a -> b"}
+    assert [m.label for m in first if m.kind == "match"] == ["^far\\ push$", "^write\\ a$", "^far\\ probe$",
+                                                            "^rename\\ a\\ \\->\\ b$"]
     assert all(0 < m.at <= 2.0 for m in first if m.kind == "delay")

@@ -165,8 +165,16 @@ def new_project(base: Path, site: Site) -> Path:
 
 
 def local_runs(root: Path) -> list[Path]:
+    """The run folders here (not a run folder still being created: a dot-named temporary)."""
     folder = root / ".tether" / "runs"
-    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if folder.is_dir() else []
+
+
+def unfinished(root: Path) -> list[str]:
+    """Temporary run folders left in .tether/runs (a run's creation killed, not yet cleared by a rerun)."""
+    folder = root / ".tether" / "runs"
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) if folder.is_dir() else []
 
 
 def must(done: subprocess.CompletedProcess, what: str) -> None:
@@ -401,6 +409,7 @@ def check_all(root: Path, site: Site, expected: dict[str, str], runs: int) -> li
     fars = sorted(p.name for p in site.far_runs(root).iterdir()) if site.far_runs(root).is_dir() else []
     problems = [] if len(locals_) == runs and len(fars) == runs else \
         [f"expected {runs} run(s), found {len(locals_)} here and {len(fars)} on the far side: {fars}"]
+    problems += [f"a temporary run folder was left: {name}" for name in unfinished(root)]
     for local in locals_:
         far = site.far_runs(root) / local.name
         problems += check_run(local, far, expected) if far.is_dir() else [f"{local.name}: far run dir missing"]

@@ -26,6 +26,7 @@ LOCAL = [
     ("verify", r"^write .*PULL_VERIFIED\.json"),
     ("down", r"^far remove"),                                  # the far side deleting the run dir
     ("down", r"^write .*down\.json"),                          # removed, its stamp not yet written
+    ("repro", r"^write .*/\.run\.json\.tmp"),                 # the reproduction's run being created
     ("repro", r"^far start"),                                  # the reproduction's launch
 ]
 SSH = [("train", r"^far start"), ("pull", r"^far send")]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import time
 from types import MappingProxyType
@@ -21,10 +23,11 @@ from tether.config import Job
 from tether.errors import RunError
 from tether.paths import RunPaths, check_run_id, mint_run_id, runs_dir
 from tether.pipelines.identity import JobIdentity
-from tether.remote.fileio import atomic_write_json, read_json
+from tether.remote.fileio import atomic_write_json, fsync_dir, read_json
 from tether.remote.protocol import Snapshot
 from tether.sweep import Point
 
+UNRECORDED = re.compile(r"^\..+\.tmp-(\d+)$")  # a run folder being created (record_new), by that pid
 # What run.json holds besides the launch spec (so the spec can be read back out of a record).
 RECORD_FIELDS = ("run_id", "name", "config", "backend", "backend_type", "job_hash", "code_hash", "data_hash",
                  "artifacts", "created_at", "created_on", "tether_version", "tether_package", "repro_of", "controls")
@@ -62,6 +65,8 @@ class RunResolver:
         found = []
         folder = runs_dir(self.state_dir)
         for run_id in os.listdir(folder) if os.path.isdir(folder) else ():
+            if run_id.startswith("."):  # a run folder still being created (record_new)
+                continue
             record = read_json(os.path.join(folder, run_id, "run.json"))
             if (record and record.get("config") == self.job.source and record.get("backend") == self.job.backend
                     and record.get("params") == params and record.get("repro_of") == self.repro_of):
@@ -100,6 +105,7 @@ class RunResolver:
     def create(self) -> RunPaths:
         """Mint a run id for this job and record it locally (run.json), before anything else."""
         identity = self.identity()
+        forget_unrecorded(runs_dir(self.state_dir))
         run = self.paths(mint_run_id(self.job.name, identity.job_hash))
         record = dict(identity.launch_spec, run_id=run.run_id, name=self.job.name, config=self.job.source,
                       backend=self.job.backend, backend_type=self.backend.type, job_hash=identity.job_hash,
@@ -109,7 +115,7 @@ class RunResolver:
                       tether_package=tether.__version__)
         if self.repro_of:
             record["repro_of"] = self.repro_of
-        atomic_write_json(run.run_json, record)
+        record_new(run, record)
         return run
 
     def adopt(self, run_id: str) -> RunPaths:
@@ -127,6 +133,36 @@ class RunResolver:
 
     def record(self, run: RunPaths) -> dict[str, Any]:
         return read_json(run.run_json) or {}
+
+
+def forget_unrecorded(folder: str) -> None:
+    """Remove what a run's creation left when killed: its folder under a temporary name (see
+    `record_new`), whose writer is dead. Such a run was never recorded, so nothing was sent for it."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        writer = UNRECORDED.match(name)
+        if writer and not _alive(int(writer.group(1))):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def record_new(run: RunPaths, record: dict) -> None:
+    """Make the run's folder with its run.json in one rename: a kill leaves no run or a recorded one,
+    never a run folder without run.json (which a rerun, minting a new id, would leave behind)."""
+    parent = os.path.dirname(run.local)
+    tmp = os.path.join(parent, ".%s.tmp-%d" % (run.run_id, os.getpid()))
+    os.makedirs(tmp, exist_ok=True)
+    atomic_write_json(os.path.join(tmp, "run.json"), record)
+    os.rename(tmp, run.local)
+    fsync_dir(parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SnapshotCache:

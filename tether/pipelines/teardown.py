@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ def down(s: Session, confirm: bool) -> str:
     far = far_manifest(s, run)
     snap = s.snapshot(run, fresh=True)
     if far is None and snap.status == ABSENT:
-        return f"{run.run_id}: already removed: no action needed"
+        return _already_removed(s, run, confirm)
     keep = s.backend.keep_remote  # decided here once: the gate and what happens after it
     verified = manifest.gate_teardown(run, far, snap.alive, keep, s.job.artifacts)
     terminate = s.backend.teardown_command  # never with keep_remote (the config refuses both)
@@ -43,6 +44,22 @@ def down(s: Session, confirm: bool) -> str:
         return _terminate(s, run, outcome, terminate)
     write_stamp(run, "down", outcome=outcome)
     return f"{run.run_id}: {outcome}"
+
+
+def _already_removed(s: Session, run: RunPaths, confirm: bool) -> str:
+    """The far run dir is gone. A `down` killed after removing it left no down.json and perhaps never ran
+    teardown_command: finish those now (only for a run verified here; the box is ended only if confirmed)."""
+    done = "already removed: no action needed"
+    if os.path.exists(run.stamp("down")) or not os.path.exists(run.verified):
+        return f"{run.run_id}: {done}"
+    terminate = s.backend.teardown_command
+    others = s.backend.teardown(run)[1] if terminate else []
+    if terminate and not others:
+        if not (confirm or _ask("run teardown_command?")):
+            raise RunError(f"not confirmed: teardown_command not run. Add confirm=yes to tear down {run.run_id}")
+        return _terminate(s, run, done, terminate)
+    write_stamp(run, "down", outcome=done, **({"teardown_waits_for": others} if others else {}))
+    return f"{run.run_id}: {done}"
 
 
 def _terminate(s: Session, run: RunPaths, outcome: str, command: str) -> str:

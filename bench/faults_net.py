@@ -39,13 +39,15 @@ ABOUT = {
         f"goes silent without closing; with alive_timeout_s {ALIVE_S} and connect_timeout_s 3, doit must print a line "
         "naming the host and what to do within the bound; then sshd continues and the run is completed.",
     "flaky squeue": "A healthy SLURM job (the real single-node cluster) watched through squeue outages of seeded "
-        "kind (exit 1, a hang past the 2 s timeout, garbage on stdout, empty output) and seeded length (2-6 polls "
-        "at poll_interval_s 1), several per run, through a wrapper first on the login node's PATH.",
+        "kind (exit 1, a hang past the 2 s timeout, garbage on stdout, empty output) and seeded length ({polls} polls "
+        "at poll_interval_s 1; a hang makes a poll last the 2 s timeout), several per run, through a wrapper first on "
+        "the login node's PATH.",
     "queued job": "A job held PENDING (sbatch --begin an hour away) while squeue prints garbage, prints nothing "
         "or fails, each for a seeded 2-5 polls, in seeded order: watch must keep waiting and never submit it again "
         "(the status-fetch snowball of SkyPilot issue 10155).",
     "ended in outage": "squeue and scontrol fail or hang (seeded) while the job is really scancelled; watch must "
-        "decide nothing while they are down and, once they answer, report the job's real end (cancelled from outside).",
+        "decide nothing while they are down ({polls} polls) and, once they answer, report the job's real end "
+        "(cancelled from outside).",
 }
 INVARIANTS = {
     "kill": ["the rerun completes (at most 3 reruns)", "exactly one launch and one exit event (events.jsonl)",
@@ -68,7 +70,8 @@ INVARIANTS = {
 
 def replay(args, only: str) -> str:
     """The command that replays one scenario of this soak (every round of it, the same seeds)."""
-    return f"python bench/faults_net.py --seed {args.seed} --rounds {args.rounds} --only {only}"
+    longer = "" if args.outage_polls == (2, 6) else " --outage-polls %d-%d --step-s %g" % (*args.outage_polls, args.step_s)
+    return f"python bench/faults_net.py --seed {args.seed} --rounds {args.rounds} --only {only}{longer}"
 
 
 def record(scenarios: dict, name: str, kind: str, outcome: Outcome, reproduce: str) -> None:
@@ -87,7 +90,7 @@ def record(scenarios: dict, name: str, kind: str, outcome: Outcome, reproduce: s
 def ssh_rounds(args, base: Path, scenarios: dict) -> None:
     server = SSHServer(base / "sshd").start()
     try:
-        for i in range(args.rounds if args.only in ("all", "ssh") else 0):
+        for i in range(args.rounds if wants(args, "ssh") else 0):
             seed = args.seed + i
             root, far = base / f"kill-{i}", base / f"far-kill-{i}"
             make_project(root, server, far, seed, steps=40)
@@ -96,7 +99,7 @@ def ssh_rounds(args, base: Path, scenarios: dict) -> None:
                 record(scenarios, f"sshd killed mid-{outcome.phase}", "kill", outcome,
                        replay(args, "ssh"))
             stop_leftover_runs(far)
-        for i in range(args.rounds if args.only in ("all", "frozen") else 0):
+        for i in range(args.rounds if wants(args, "frozen") else 0):
             seed, phase = args.seed + i, PHASES[(args.seed + i) % 3]
             root, far = base / f"frozen-{i}", base / f"far-frozen-{i}"
             make_project(root, server, far, seed, steps=40, alive_timeout_s=ALIVE_S)
@@ -117,20 +120,20 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
         scheduler.login.start()
         try:
             per_run = 3
-            for i in range(-(-args.rounds // per_run) if args.only in ("all", "squeue") else 0):
+            for i in range(-(-args.rounds // per_run) if wants(args, "squeue") else 0):
                 seed = args.seed + i
                 rng = random.Random(seed)
-                stretches = [(rng.choice(MODES), rng.randint(2, 6)) for _ in range(per_run)]
+                stretches = [(rng.choice(MODES), rng.randint(*args.outage_polls)) for _ in range(per_run)]
                 remote = new_remote_dir()
                 try:
                     root = make_project(base / f"sq-{i}", scheduler.login, remote, seed, steps=1000,
-                                        policy="on-failure", **SLURM)
+                                        sleep=args.step_s, policy="on-failure", **SLURM)
                     for outcome in healthy_through(root, scheduler, remote, seed, 1000, stretches):
                         record(scenarios, "flaky squeue", "squeue", outcome,
                                replay(args, "squeue"))
                 finally:
                     remove_remote_dir(cluster, remote)
-            for i in range(-(-args.rounds // per_run) if args.only in ("all", "queued") else 0):
+            for i in range(-(-args.rounds // per_run) if wants(args, "queued") else 0):
                 seed = args.seed + i
                 remote = new_remote_dir()
                 try:
@@ -141,15 +144,15 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
                                replay(args, "queued"))
                 finally:
                     remove_remote_dir(cluster, remote)
-            for i in range(args.rounds if args.only in ("all", "ended") else 0):
+            for i in range(args.rounds if wants(args, "ended") else 0):
                 seed = args.seed + i
                 rng = random.Random(seed)
                 remote = new_remote_dir()
                 try:
                     root = make_project(base / f"end-{i}", scheduler.login, remote, seed, steps=600,
-                                        policy="on-failure", **SLURM)
+                                        sleep=args.step_s, policy="on-failure", **SLURM)
                     outcome = ended_in_outage(root, scheduler, remote, seed, cluster, rng.choice(("fail", "hang")),
-                                              rng.randint(2, 5))
+                                              rng.randint(*args.outage_polls))
                     record(scenarios, "ended in outage", "ended", outcome,
                            replay(args, "ended"))
                 finally:
@@ -159,15 +162,29 @@ def slurm_rounds(args, base: Path, scenarios: dict) -> None:
             scheduler.login.stop()
 
 
+def wants(args, *kinds: str) -> bool:
+    """Whether --only asks for any of these scenario kinds."""
+    return "all" in args.only or bool(args.only & set(kinds))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, default=1515)
     parser.add_argument("--rounds", type=int, default=10, help="runs per scenario (each kill run hits 3 phases)")
-    parser.add_argument("--only", choices=("all", "ssh", "frozen", "squeue", "queued", "ended"), default="all")
+    parser.add_argument("--only", type=lambda v: set(v.split(",")), default={"all"},
+                        help="all, or a comma list of ssh, frozen, squeue, queued, ended")
+    parser.add_argument("--outage-polls", type=lambda v: tuple(int(p) for p in v.split("-")), default=(2, 6),
+                        help="LO-HI: a scheduler outage lasts a seeded LO..HI polls of watch (poll_interval_s 1); "
+                             "120-180 holds squeue down for minutes")
+    parser.add_argument("--step-s", type=float, default=0.05, help="the SLURM jobs' seconds per step (1000 or 600 "
+                        "steps): raise it with --outage-polls so a job outlasts its outages")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped soak still stops its daemons and runs
     command = "python bench/faults_net.py " + " ".join(sys.argv[1:])
+    polls = "%d-%d" % args.outage_polls
+    for name in ("flaky squeue", "ended in outage"):
+        ABOUT[name] = ABOUT[name].format(polls=polls)
     started, began = datetime.now(timezone.utc), time.monotonic()
     print(f"faults_net: seed {args.seed}, {args.rounds} rounds ({command})", flush=True)
     scenarios: dict = {}
@@ -176,7 +193,9 @@ def main() -> int:
         run_parts(args, base, scenarios)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    result = {"part": "B: network, far-side daemons, flaky scheduler", "command": command, "seed": args.seed,
+    part = "B: network, far-side daemons, flaky scheduler"
+    part += "" if args.outage_polls == (2, 6) else f" (scheduler outages of {polls} polls)"
+    result = {"part": part, "command": command, "seed": args.seed,
               "started": started.isoformat(timespec="seconds"), "seconds": round(time.monotonic() - began, 1),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "scenarios": list(scenarios.values())}
     print(table(result))
@@ -186,9 +205,9 @@ def main() -> int:
 
 
 def run_parts(args, base: Path, scenarios: dict) -> None:
-    if args.only in ("all", "ssh", "frozen"):
+    if wants(args, "ssh", "frozen"):
         ssh_rounds(args, base, scenarios)
-    if args.only in ("all", "squeue", "queued", "ended"):
+    if wants(args, "squeue", "queued", "ended"):
         slurm_rounds(args, base, scenarios)
 
 

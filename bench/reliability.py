@@ -63,7 +63,7 @@ def read_soak(path: Path) -> Soak:
 
 def soak_section(soak: Soak) -> list[str]:
     lines = [f"## {soak.part}", "", f"    {soak.command}", "",
-             f"Seed {soak.seed}; run {soak.started} on {soak.machine}; {soak.seconds / 60:.1f} minutes.", "",
+             f"Seed {soak.seed}; run {soak.started} on {soak.machine}; {_took(soak.seconds)}.", "",
              "| scenario | faults injected | survived | failures |", "|---|---|---|---|"]
     for s in soak.scenarios:
         lines.append(f"| {s.name} | {s.faults} | {s.survived} | {len(s.failures)} |")
@@ -74,6 +74,10 @@ def soak_section(soak: Soak) -> list[str]:
         for failure in s.failures:
             lines.append(f"- failed at seed {failure.get('seed')}, {failure.get('moment')}: {failure.get('what')}")
     return lines + [""]
+
+
+def _took(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} minutes"
 
 
 def render(soaks: list[Soak]) -> str:

@@ -80,7 +80,8 @@ class Project:
 
     def run_ids(self) -> list[str]:
         folder = self.root / ".tether" / "runs"
-        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        # a dot name is a run still being created (tether.pipelines.runs.record_new): not a run yet
+        return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
 
     def local_run(self, run_id: str | None = None) -> Path:
         ids = self.run_ids()

@@ -91,7 +91,8 @@ def outage(bg, scheduler: FlakyScheduler, name: str, mode: str, polls: int) -> N
 
     scheduler.set(name, mode)
     seen = requests(bg, "probe")
-    wait(lambda: requests(bg, "probe") >= seen + polls + 1 or bg.proc.poll() is not None, 120, f"{polls} polls")
+    wait(lambda: requests(bg, "probe") >= seen + polls + 1 or bg.proc.poll() is not None, max(120, 5 * polls),
+         f"{polls} polls")  # a hanging squeue makes a poll last its timeout
 
 
 def healthy_through(root: Path, scheduler: FlakyScheduler, remote: Path, seed: int, steps: int,

@@ -108,7 +108,8 @@ def test_interrupted_three_times_ends_bit_for_bit_where_uninterrupted_ends(proje
     crash(project, chooser.randint(85, 120), attempt=3)
     out, err = doit.communicate(timeout=120)
     assert doit.returncode != 0 and "was lost" in err, err  # the crash left no exit record
-    assert re.search(r"preempted; will restart from step \d+ in \d s \(attempt 2 of 4\)", err), err  # the far side's plan
+    # the far side's plan, seen in the 1-s backoff before attempt 2 or 3 (a poll may fall outside one of them)
+    assert re.search(r"preempted; will restart from step \d+ in \d s \(attempt [23] of 4\)", err), err
     project.doit("run", "train", check=True, timeout=300)  # relaunches from the latest checkpoint
     launches = [e for e in project.events() if e.get("event") == "launch"]
     assert [e["attempt"] for e in launches] == [1, 2, 3, 4]

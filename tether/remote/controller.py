@@ -16,6 +16,7 @@ events.jsonl, and decides what happens when an attempt ends, from run.json's spe
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -349,6 +350,8 @@ def _keep_mapped_checkpoint(run_dir: str, spec: Dict[str, Any]) -> None:
     try:
         kept, skipped = own_checkpoints.keep(run_dir, mapped, int(spec.get("checkpoint_keep", 3)))
     except OSError as err:  # a full disk: the script's own file stays the resume point, the run's end is recorded
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise  # anything else is our own failure, reported as one (launcher_error)
         event(run_dir, "checkpoint_not_kept", path=mapped, reason="could not keep a copy: %s" % err)
         return
     for path, reason in sorted(skipped.items()):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from helpers import Background
+from helpers import Background, sha256
 from sshd import SSHServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,14 +120,6 @@ def expected_artifacts(root: Path, steps: int) -> dict[str, str]:
     subprocess.run([sys.executable, str(root / "script" / "train.py"), "--steps", str(steps), "--sleep", "0"],
                    cwd=out, check=True, capture_output=True, env=dict(os.environ, TETHER_ARTIFACTS_DIR=str(out / "a")))
     return {f"artifacts/{p.name}": sha256(p) for p in (out / "a").iterdir()}
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def doit(root: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -248,6 +240,11 @@ def sshd_killed(root: Path, server: SSHServer, far: Path, phase: str, seed: int,
         bg.kill()
         if server.process is None:
             server.start()
+    return rerun_and_check(root, far, expected, code, result)
+
+
+def rerun_and_check(root: Path, far: Path, expected: dict[str, str], code: Optional[int], result: Outcome) -> Outcome:
+    """Rerun a failed command until done (at most 3 times), then every invariant of the finished run."""
     used, output = (0, "") if code == 0 else rerun_until_done(root)
     if used > 3:
         result.failures.append(f"the rerun did not complete: {output}")
@@ -302,11 +299,7 @@ def link_frozen(root: Path, server: SSHServer, far: Path, phase: str, seed: int,
     finally:
         server.thaw(frozen)
         bg.kill()
-    used, output = (0, "") if code == 0 else rerun_until_done(root)
-    if used > 3:
-        result.failures.append(f"the rerun did not complete: {output}")
-    result.failures += check_run(root, far, expected)
-    return result
+    return rerun_and_check(root, far, expected, code, result)
 
 
 def said_host(text: str) -> str:

@@ -198,6 +198,8 @@ def check_run(root: Path, far: Path, expected: dict[str, str]) -> list[str]:
     if state.get("status") != "completed" or state.get("restarts"):
         failures.append(f"far state {state.get('status')} with {state.get('restarts')} restarts")
     local = root / ".tether" / "runs" / runs[0].name
+    if not (runs[0] / "PULL_MANIFEST.json").is_file():
+        return failures + ["the run was never sealed (no PULL_MANIFEST.json on the far side)"]
     manifest = (runs[0] / "PULL_MANIFEST.json").read_bytes()
     try:
         verified = json.loads((local / "PULL_VERIFIED.json").read_text())

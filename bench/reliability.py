@@ -43,6 +43,7 @@ class Scenario:
 class Soak:
     """One soak's results file."""
 
+    source: str
     part: str
     command: str
     seed: int
@@ -57,12 +58,12 @@ def read_soak(path: Path) -> Soak:
     scenarios = [Scenario(s["name"], s.get("about", ""), int(s["faults"]), int(s["survived"]),
                           list(s.get("invariants", [])), list(s.get("failures", [])), s.get("reproduce", ""))
                  for s in raw["scenarios"]]
-    return Soak(raw["part"], raw["command"], raw.get("seed", 0), raw.get("started", ""),
+    return Soak(path.name, raw["part"], raw["command"], raw.get("seed", 0), raw.get("started", ""),
                 float(raw.get("seconds", 0)), raw.get("machine", ""), scenarios)
 
 
 def soak_section(soak: Soak) -> list[str]:
-    lines = [f"## {soak.part}", "", f"    {soak.command}", "",
+    lines = [f"## {soak.part}", "", f"From `bench/results/{soak.source}`, made by:", "", f"    {soak.command}", "",
              f"Seed {soak.seed}; run {soak.started} on {soak.machine}; {_took(soak.seconds)}.", "",
              "| scenario | faults injected | survived | failures |", "|---|---|---|---|"]
     for s in soak.scenarios:

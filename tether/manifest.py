@@ -14,7 +14,7 @@ from typing import Any
 
 from tether.errors import ManifestError, RunError
 from tether.paths import RunPaths
-from tether.remote.fileio import TornFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from tether.remote.fileio import TornFile, atomic_write_bytes, json_lines, atomic_write_json, read_json, sha256_file
 from tether.remote.rundir import is_literal
 
 PART = ".part"  # a file being downloaded (tether.pipelines.transfer)
@@ -210,14 +210,8 @@ EVENTS_LOG = "events.jsonl"  # append-only: a writer killed mid-line leaves a to
 def _torn_lines(path: str) -> int:
     """How many lines of an events log are not a JSON object (counted, never trusted, not a failure:
     the launcher ends a torn line before its next event, and pulling again cannot change a sealed file)."""
-    torn = 0
     with open(path, "rb") as f:
-        for line in f:
-            try:
-                torn += line.strip() != b"" and not isinstance(json.loads(line), dict)
-            except ValueError:
-                torn += 1
-    return torn
+        return json_lines(f.read())[1]
 
 
 def _safetensors_header(path: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from tether import manifest
 from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
+from tether.remote.fileio import json_lines
 from tether.pipelines import plans, resuming
 from tether.pipelines.session import Session, flag
 from tether.remote.endings import words as signal_words
@@ -39,15 +40,8 @@ class EventReader:
         return data[:end]
 
     def read(self) -> list[dict]:
-        events = []
-        for line in self.read_bytes().splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a trainer may print junk into events.jsonl; it must not stop the watch
-            if not isinstance(event, dict):
-                continue  # a torn line can still parse: `5` is JSON, but no event
-            events.append(event)
+        events = json_lines(self.read_bytes())[0]  # a trainer's junk or a torn line must not stop the watch
+        for event in events:
             self.last[event.get("event", "")] = event
         return events
 

@@ -10,21 +10,13 @@ from tether.errors import RunError
 from tether.paths import RunPaths
 from tether.pipelines import resuming
 from tether.pipelines.session import Session
-from tether.remote.fileio import read_json
+from tether.remote.fileio import json_lines, read_json
 
 
 def read_events(run: RunPaths) -> list[dict]:
     """The run's events; a torn or junk line (a trainer killed mid-write) is no event."""
-    found = []
     with open(run.pulled("events.jsonl"), "rb") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                found.append(event)
-    return found
+        return json_lines(f.read())[0]
 
 
 def facts(run: RunPaths) -> dict:

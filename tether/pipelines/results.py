@@ -17,7 +17,7 @@ from tether import manifest
 from tether.errors import RunError
 from tether.paths import RunPaths
 from tether.pipelines.session import Session
-from tether.remote.fileio import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from tether.remote.fileio import atomic_write_bytes, atomic_write_json, json_lines, read_json, sha256_file
 from tether.sweep import SEED_KEY
 
 METRICS_FILE = "artifacts/metrics.json"
@@ -100,14 +100,11 @@ def _verified_metrics(run: RunPaths) -> dict:
 def _progress_metrics(run: RunPaths) -> dict:
     """The newest value of each metric that `progress:` read from the run's output (step events)."""
     found: dict = {}
-    with open(run.pulled(EVENTS_FILE), encoding="utf-8") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict) and event.get("event") == "step" and event.get("source") == "progress":
-                found.update({k: v for k, v in event.items() if k not in PROGRESS_FIELDS})
+    with open(run.pulled(EVENTS_FILE), "rb") as f:
+        events = json_lines(f.read())[0]
+    for event in events:
+        if event.get("event") == "step" and event.get("source") == "progress":
+            found.update({k: v for k, v in event.items() if k not in PROGRESS_FIELDS})
     return found
 
 

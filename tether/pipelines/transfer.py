@@ -198,7 +198,7 @@ def room_for(run_id: str, folder: str) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        if err.errno != errno.ENOSPC:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         what = f" ({err.filename})" if err.filename else ""
         raise RunError(f"{run_id}: pull stopped: no space left on device in {folder}{what}; free space there, "

@@ -87,6 +87,22 @@ def read_json(path: str, want: Optional[type] = None) -> Optional[Any]:
     return value
 
 
+def json_lines(data: bytes) -> Tuple[List[dict], int]:
+    """The JSON objects of a .jsonl text, and how many non-empty lines are not one (a line a killed or
+    cut-short writer left torn, or a trainer's junk: `5` is JSON, but no event)."""
+    found, torn = [], 0
+    for line in data.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            found.append(value)
+        elif line.strip():
+            torn += 1
+    return found, torn
+
+
 def append_line(path: str, line: bytes) -> None:
     """Append one newline-ended line in one write; a torn last line (a write a full disk cut short) is
     ended first, so it stays one unreadable line instead of gluing itself to this one."""

@@ -9,13 +9,12 @@ so the next attempt seals a manifest of its own and nothing verified against the
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from typing import Any, Dict, Optional
 
-from tether.remote.fileio import read_json, sha256_regular
+from tether.remote.fileio import json_lines, read_json, sha256_regular
 from tether.remote.rundir import FOR_GOOD, event, is_alive, is_final, now, run_file, update_state
 from tether.remote.runtime import CHECKPOINT_RE
 
@@ -42,18 +41,9 @@ def checkpoint_step(run_dir: str, relpath: Optional[str]) -> Optional[int]:
 def _events(run_dir: str) -> list:
     try:
         with open(run_file(run_dir, "events.jsonl"), "rb") as f:
-            lines = f.read().splitlines()
+            return json_lines(f.read())[0]
     except OSError:
         return []
-    found = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            found.append(record)
-    return found
 
 
 def checkpoint_info(run_dir: str, relpath: Optional[str]) -> Dict[str, Any]:

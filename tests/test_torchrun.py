@@ -99,7 +99,8 @@ TRAINER = """\
   progress: 'step (?P<step>\\d+)/(?P<total>\\d+) loss (?P<loss>\\S+)'
   total_steps: total
 """
-STEPS = 30  # about 3 s of steps: a stop asked for after 2 steps comes well before the end (in about 1 s)
+STEPS, STEP_S = 60, 0.15  # 9 s of steps at least: a stop asked for after 2 steps lands mid-training even on
+# a loaded machine (with 30 steps of 0.05 s, an ssh stop came after the last step, while the script exited)
 GRACE = 20  # each rank's checkpoint and exit, with room for a loaded machine (torchrun SIGKILLs after it)
 
 
@@ -109,7 +110,7 @@ def use_ddp(project, text: str) -> None:
     (project.root / "ddp" / "train.py").write_text(SCRIPT)
     command = "{python} demo/train.py --epochs 30"
     assert command in text, text
-    text = text.replace(command, f"{{python}} ddp/train.py --steps {STEPS}").replace(
+    text = text.replace(command, f"{{python}} ddp/train.py --steps {STEPS} --sleep {STEP_S}").replace(
         "paths: [demo/train.py]", "paths: [ddp/train.py]").replace(
         "artifacts: [model.json, metrics.json]", "artifacts: [out/final.json]")
     text = text.replace('  command: "', TRAINER + '  command: "', 1)

@@ -171,8 +171,9 @@ def stop(run_dir: str, grace_s: float) -> Dict[str, Any]:
         return {"outcome": "was not running", "status": probe(run_dir)["status"]}
     atomic_write_json(run_file(run_dir, "stop_requested"), {"at": now()})
     if pid and _is_our_launcher(pid, run_dir):
-        os.kill(pid, signal.SIGTERM)  # the launcher forwards it and arms its own SIGKILL timer
-    killpg(pgid, signal.SIGTERM)  # and directly, in case the launcher is already gone
+        os.kill(pid, signal.SIGTERM)  # the launcher forwards it, once, and arms its own SIGKILL timer
+    else:
+        killpg(pgid, signal.SIGTERM)  # the launcher is gone: the trainer directly (never both: one TERM)
     if not _wait_until_dead(run_dir, pgid, grace_s + 5):
         killpg(pgid, signal.SIGKILL)
         if pid and _is_our_launcher(pid, run_dir):

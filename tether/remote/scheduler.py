@@ -219,7 +219,7 @@ def _record_job(run_dir: str, job_id: str, flags: List[str], known: Dict[str, An
 
 
 def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
-    """SIGTERM to the job's script and to its steps' tasks, plain scancel after grace_s; report what happened."""
+    """SIGTERM to the job's script (passed on once to the trainer), plain scancel after grace_s; what happened."""
     job_id = job_of(run_dir)
     queued, why = queue_or_error([job_id]) if job_id else ({}, "")
     if queued is None:  # never report "was not running" for a job squeue could not be asked about
@@ -230,8 +230,8 @@ def cancel(run_dir: str, grace_s: float) -> Dict[str, Any]:
     if (queue([job_id]) or {}).get(job_id, {}).get("state") in QUEUED:
         _run(["scancel", job_id])  # nothing runs yet: no one to warn (and TERM is refused for it)
     else:  # not --full: srun, in the batch step, would turn its TERM into a SIGKILL of every task
-        _run(["scancel", "--batch", "--signal=TERM", job_id])  # job.sh -> launcher -> trainer (nodes.py)
-        _run(["scancel", "--signal=TERM", job_id])  # and every task of a srun step, directly
+        _run(["scancel", "--batch", "--signal=TERM", job_id])  # job.sh -> launcher -> trainer (nodes.py: a
+        # srun step's tasks, once; signalling the steps here as well would TERM every task twice)
     deadline = time.time() + grace_s
     while time.time() < deadline and (queue([job_id]) or {}).get(job_id):
         time.sleep(0.5)

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, List
+from typing import Any, List, Set
 
 from tether.remote.rundir import run_file
 
@@ -28,17 +28,21 @@ class Supervisor:
     """Forwards stop signals to the trainer's process group and SIGKILLs after the grace time.
 
     Installed before the trainer starts, so a signal in between is remembered, not lost; a signal
-    while no trainer runs (a restart's backoff) wakes `wait`.
+    while no trainer runs (a restart's backoff) wakes `wait`. Each kind of signal reaches a trainer
+    once: a second SIGTERM (a repeated stop, or SLURM's own TERM to every process of the job) could
+    land while the script, its checkpoint written, is exiting; Python has put back the default
+    action by then, and the script would die of the signal instead of exiting 75.
     """
 
     def __init__(self, grace_s: float) -> None:
         self.pgid, self.grace_s, self.signalled, self.pending = 0, grace_s, "", 0  # grace_s: set from run.json
+        self.sent: Set[int] = set()  # the signals this trainer's group already got
         self.woken = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._forward)
 
     def attach(self, pgid: int) -> None:
-        self.pgid = pgid
+        self.pgid, self.sent = pgid, set()
         if self.pending:
             self._forward(self.pending, None)
 
@@ -65,6 +69,9 @@ class Supervisor:
         self._end_group(signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM)
 
     def _end_group(self, sent: int) -> None:
+        if sent in self.sent:
+            return  # asked already; the SIGKILL timer of the first runs
+        self.sent.add(sent)
         killpg(self.pgid, sent)
         timer = threading.Timer(self.grace_s, killpg, (self.pgid, signal.SIGKILL))
         timer.daemon = True

@@ -295,6 +295,7 @@ def test_stop_sigkills_a_trainer_that_ignores_sigterm_after_the_grace(make_run):
 COUNTS_TERMS = """\
 import os, select, signal, sys, time
 r, w = os.pipe()
+os.set_blocking(r, False)
 os.set_blocking(w, False)
 signal.set_wakeup_fd(w)  # one byte per SIGTERM delivered: Python's handler calls would coalesce
 signal.signal(signal.SIGTERM, lambda *_: None)
@@ -303,22 +304,22 @@ select.select([r], [], [], 60)
 deadline = time.time() + 1.5  # a second TERM (forwarded twice, or sent twice) comes within this
 while time.time() < deadline:
     select.select([], [], [], 0.05)
-got = os.read(r, 64)
+try:
+    got = os.read(r, 64)
+except BlockingIOError:  # no signal came
+    got = b""
 with open("terms.txt", "w") as f:
     f.write(str(got.count(bytes([signal.SIGTERM]))))
 sys.exit(75)
 """
 
 
-def test_a_repeated_stop_reaches_the_trainer_as_one_sigterm(tmp_path):
+def test_a_repeated_stop_reaches_the_trainer_as_one_sigterm(make_run):
     """Two stops (a repeated `doit stop`, or job.sh's and SLURM's TERM): the trainer gets SIGTERM once.
     A second one can land while the script, checkpoint written, is exiting with Python's default
     handlers back, and it would die of the signal (-15) instead of exiting 75."""
-    run_dir = tmp_path / "runs" / "r1"
-    (run_dir / "code").mkdir(parents=True)
+    run_dir = Path(make_run(grace=10.0, artifacts=["terms.txt"]))  # stopped and cleared afterwards, whatever happens
     (run_dir / "code" / "train.py").write_text(COUNTS_TERMS)
-    (run_dir / "run.json").write_text(json.dumps({"run_id": "r1", "argv": ["{python}", "train.py"],
-                                                  "artifacts": ["terms.txt"], "grace_seconds": 10}))
     started = launcher.start(str(run_dir))
     assert started["outcome"] == "started", started
     wait_for((run_dir / "code" / "ready").exists, "the trainer's handler")

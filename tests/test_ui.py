@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,12 +33,11 @@ SLOW_TRAINER = '''\
 import sys, time
 from tether.trainers import runtime
 stop = runtime.stop_signal()
-print("<script>document.title='pwned'</script> starting", flush=True)
 for step in range(1, 2001):
     runtime.log("step", step=step, total_steps=2000, loss=round(1.0 / step ** 0.5, 6))
     if step % 10 == 0:
         runtime.log("epoch", step=step, epoch=step // 10, accuracy=1 - 1.0 / step, **{"<i>acc</i>": step / 2000})
-        print("step %d" % step, flush=True)
+        print("step %d <script>document.title='pwned'</script>" % step, flush=True)
     if stop.requested:
         sys.exit(runtime.PREEMPTED_EXIT)
     time.sleep(0.05)
@@ -87,8 +87,15 @@ def browser() -> Any:
     return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
 
 
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound by the system's choice, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def site(tmp_path_factory, sshd):
     root = tmp_path_factory.mktemp("ui") / "proj"
     (root / "demo").mkdir(parents=True)
     for name in ("train.py", "points.csv"):
@@ -96,11 +103,16 @@ def site(tmp_path_factory):
     shutil.copy(REPO / "dodo.py", root / "dodo.py")
     (root / "demo" / "slow.py").write_text(SLOW_TRAINER)
     project = Project(root)
-    project.write_config(config_text(command=SWEEP) + "sweep:\n  seed: [0, 1]\n")
+    lab = sshd.backend_config(root.parent / "far")
+    sweep = lambda far: config_text(command=SWEEP) + f"  lab: {json.dumps(far)}\nsweep:\n  seed: [0, 1]\n"  # noqa: E731
+    project.write_config(sweep(lab))
     (root / "slow.yaml").write_text(config_text(name="slow", command="{python} demo/slow.py", code="demo/slow.py",
                                                 artifacts=""))
     project.doit("run", "train", check=True)
     project.doit("run", "launch", "config=slow.yaml", check=True)
+    project.doit("run", "push", "backend=lab", check=True)  # records the sweep's runs on backend lab
+    # ... which then cannot be reached: its rows show why, the rest of the page is unharmed
+    project.write_config(sweep(dict(lab, port=closed_port())))
     slow = next(i for i in project.run_ids() if i.startswith("slow-"))
     server, base, token = start_ui(project)
     driver = browser()
@@ -110,6 +122,7 @@ def site(tmp_path_factory):
         driver.quit()
         server.kill()
         stop_leftover_runs(root / ".tether" / "remote")
+        stop_leftover_runs(root.parent / "far")
 
 
 def settle(read: Callable[[], Any], holds: Callable[[Any], bool], timeout: float, what: str) -> Any:
@@ -126,6 +139,16 @@ def settle(read: Callable[[], Any], holds: Callable[[Any], bool], timeout: float
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last read: {value!r})")
+
+
+def runs_on(site: Site, backend: str, name: str = "demo") -> list[str]:
+    """The ids of the runs of job `name` recorded here for `backend`, read from their run.json."""
+    found = []
+    for run_id in site.project.run_ids():
+        record = json.loads((site.project.local_run(run_id) / "run.json").read_text())
+        if record["backend"] == backend and record["name"] == name:
+            found.append(run_id)
+    return found
 
 
 def cell(site: Site, run_id: str, column: int) -> Any:
@@ -154,10 +177,14 @@ def test_runs_page_shows_the_run_in_progress_and_its_step_advances(site, tmp_pat
                    lambda t: re.match(r"\d+", t.strip()) and int(re.match(r"\d+", t.strip()).group()) >
                    int(re.match(r"\d+", first.strip()).group()), 20, "the step to advance after a refresh")
     assert int(later.split("/")[0]) > int(first.split("/")[0])
-    for run_id in site.project.run_ids():
-        if run_id.startswith("demo-"):
-            assert cell(site, run_id, 10) == "yes"  # the sweep's points were pulled and verified by `train`
-            assert cell(site, run_id, 3) == "completed"
+    site.open(f"/run/{site.slow}")  # its events were read: the total is known
+    site.open()
+    bar = "const b = document.querySelector('tr[data-run=\"%s\"] progress'); return b && [b.value, b.max];"
+    assert settle(lambda: site.js(bar % site.slow), lambda b: True, 20, "the step's bar")[1] == 2000
+    assert len(runs_on(site, "local")) == 2
+    for run_id in runs_on(site, "local"):
+        assert cell(site, run_id, 10) == "yes"  # the sweep's points were pulled and verified by `train`
+        assert cell(site, run_id, 3) == "completed"
     site.browser.save_screenshot(str(tmp_path / "ui-runs.png"))
 
 
@@ -167,8 +194,8 @@ def test_run_page_curve_gains_points_and_shows_the_log(site, tmp_path):
     first = settle(lambda: site.js(count), lambda n: n > 0, 30, "a loss curve")
     settle(lambda: site.js(count), lambda n: n > first, 20, "the curve to gain points")
     log = settle(lambda: site.js("return document.getElementById('log').textContent;"),
-                 lambda t: "step 10" in t, 20, "the log's tail")
-    assert "<script>document.title='pwned'</script> starting" in log
+                 lambda t: re.search(r"^step \d+0 ", t, re.M), 20, "the log's tail")
+    assert re.search(r"^step \d+0 <script>document.title='pwned'</script>$", log, re.M), log
     site.browser.save_screenshot(str(tmp_path / "ui-run.png"))
 
 
@@ -191,11 +218,10 @@ def test_completed_sweep_shows_its_table(site, tmp_path):
                                   ".map(r => [...r.children].map(c => c.textContent))"), lambda r: len(r) == 2,
                   20, "the sweep's table")
     found = {}
-    for run_id in site.project.run_ids():
-        if run_id.startswith("demo-"):
-            metrics = json.loads((site.project.local_run(run_id) / "files" / "artifacts" / "metrics.json").read_text())
-            for name, value in metrics.items():
-                found.setdefault(name, []).append(value)
+    for run_id in runs_on(site, "local"):
+        metrics = json.loads((site.project.local_run(run_id) / "files" / "artifacts" / "metrics.json").read_text())
+        for name, value in metrics.items():
+            found.setdefault(name, []).append(value)
     assert rows[0] == ["n"] + sorted(found)  # metric names in the order the points list them
     expected = [f"{statistics.fmean(v):.4g} ± {statistics.stdev(v):.4g}" for _, v in sorted(found.items())]
     assert rows[1] == ["2"] + expected
@@ -213,6 +239,21 @@ def test_check_button_shows_the_preflight(site, tmp_path):
     assert report.startswith("backend local: ready\n"), report
     assert re.search(r"^ok  disk: \d+ MB free under ", report, re.M)
     site.browser.save_screenshot(str(tmp_path / "ui-check.png"))
+
+
+def test_an_unreachable_backend_shows_its_error_in_its_rows(site):
+    site.open()
+    far = runs_on(site, "lab")
+    assert len(far) == 2
+    for run_id in far:
+        text = settle(lambda: cell(site, run_id, 0), lambda t: True, 20, f"the row of {run_id}")
+        assert "backend lab did not answer" in text, text
+    assert cell(site, site.slow, 3) == "running"  # the other backend's rows are whole
+    assert site.js("return document.querySelectorAll('table.sweep').length") == 1  # lab's points: none verified
+    site.open(f"/run/{far[0]}")
+    assert "did not answer" in site.js("return document.body.textContent")
+    status, _, body = fetch(f"{site.base}/check/lab?token={site.token}", "POST")
+    assert status == 200 and "backend lab: the preflight failed" in body, body
 
 
 # ---------------------------------------------------------------- refusals, by urllib

@@ -14,11 +14,11 @@ body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:20px;margin:0 0 .2em}h2{font-size:16px;margin:1.4em 0 .4em}
 table{border-collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:left;
 vertical-align:top}th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
-progress{width:90px;vertical-align:middle}.error{color:#b00}.muted{color:#777}
+progress{width:90px;vertical-align:middle}.step{white-space:nowrap}.error{color:#b00}.muted{color:#777}
 .completed{color:#070}.failed,.lost,.stalled,.error{color:#b00}.running{color:#06c}
 pre{background:#f6f6f6;padding:8px;max-height:28em;overflow:auto;white-space:pre-wrap}
-form{display:inline;margin-left:.3em}.backend{margin-right:1.5em}.chart{margin:4px 12px 4px 0;border:1px solid #eee}
-.chart .title{font-weight:bold}.chart text{font-size:11px}
+form{display:inline;margin-left:.3em}.backend{margin-right:1.5em}.backends{margin:0 0 1em}
+.chart{margin:4px 12px 4px 0;border:1px solid #eee}.chart .title{font-weight:bold}.chart text{font-size:11px}
 """
 
 
@@ -46,7 +46,8 @@ def progress(row: Row) -> str:
         return ""
     if not row.total:
         return e(row.step)
-    return f'<progress value="{e(row.step)}" max="{e(row.total)}"></progress> {e(row.step)}/{e(row.total)}'
+    return (f'<span class="step"><progress value="{e(row.step)}" max="{e(row.total)}"></progress> '
+            f'{e(row.step)}/{e(row.total)}</span>')
 
 
 def measures(row: Row) -> str:
@@ -66,7 +67,8 @@ def runs_page(project: str, backends: Sequence[str], rows: Sequence[Row], sweeps
     tables = "".join(sweep_table(t) for t in sweeps)
     return page(f"tether: runs of {project}", f"<h1>Runs of {e(project)}</h1>"
                 f'<p class="muted">read-only; refreshed every {refresh_s:g} s; {time.strftime("%H:%M:%S")}</p>'
-                f"<div>Backends: {buttons}</div><table id=\"runs\">{head}{body}</table>{tables}", refresh_s)
+                f'<div class="backends">Backends: {buttons}</div>'
+                f'<table id="runs">{head}{body}</table>{tables}', refresh_s)
 
 
 def _run_row(r: Row) -> str:

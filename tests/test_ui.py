@@ -256,6 +256,29 @@ def test_an_unreachable_backend_shows_its_error_in_its_rows(site):
     assert status == 200 and "backend lab: the preflight failed" in body, body
 
 
+def test_one_round_trip_per_backend_per_refresh(site):
+    """Page loads within the refresh interval ask no backend again; the next refresh asks each once."""
+    from tether.pipelines.session import Session
+    from tether.ui.catalog import Catalog
+
+    now = [0.0]
+    opened = Catalog.open(Session.open({"config": str(site.project.root / "tether.yaml")}, cwd=str(site.project.root)))
+    catalog = Catalog(opened.sessions, opened.problems, opened.state_dir, refresh_s=2.0, clock=lambda: now[0])
+    asked: list[tuple[str, int]] = []
+    for name, s in catalog.sessions.items():
+        real = s.backend.states
+        s.backend.states = lambda runs, name=name, real=real: asked.append((name, len(runs))) or real(runs)
+    first = catalog.rows()
+    assert sorted(name for name, _ in asked) == ["lab", "local"]  # one question per backend, all its runs in it
+    assert dict(asked)["local"] == 3 and dict(asked)["lab"] == 2
+    now[0] = 1.9
+    assert catalog.rows() is first and catalog.rows() is first and len(asked) == 2
+    now[0] = 2.0
+    catalog.rows()
+    assert sorted(name for name, _ in asked[2:]) == ["lab", "local"]
+    assert dict(asked[2:])["local"] == 1  # the sweep's ended runs are not asked again; the slow run is
+
+
 # ---------------------------------------------------------------- refusals, by urllib
 
 

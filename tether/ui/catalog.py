@@ -66,6 +66,7 @@ class Curves:
     total: Optional[int] = None
 
     def read(self) -> None:
+        """Add the events written since the last read (one far-side request)."""
         for event in self.reader.read():
             step = number(event.get("step"))
             if step is None:

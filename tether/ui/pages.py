@@ -35,6 +35,7 @@ def page(title: str, body: str, refresh_s: Optional[float] = None) -> str:
 
 
 def age(seconds: Optional[float]) -> str:
+    """`12 s` or `5 min`; '' when unknown."""
     if seconds is None:
         return ""
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
@@ -51,6 +52,7 @@ def progress(row: Row) -> str:
 
 
 def measures(row: Row) -> str:
+    """The last loss and the metrics, as one escaped line."""
     loss = f"loss {row.loss:.4g}" if row.loss is not None else ""
     return e("  ".join(filter(None, [loss] + [f"{k} {v:.4g}" for k, v in row.metrics])))
 

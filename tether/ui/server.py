@@ -50,6 +50,7 @@ class Server(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        """Where to point a browser, token included."""
         host, port = self.server_address[:2]
         return f"http://{host}:{port}/?token={self.token}"
 
@@ -66,9 +67,11 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
+        """The runs page, or a run's page."""
         self._handle(post=False)
 
     def do_POST(self) -> None:
+        """A backend's Check: the only request that runs anything, and that only reads."""
         self._handle(post=True)
 
     def log_message(self, format: str, *args: object) -> None:

@@ -1,6 +1,7 @@
 #!/bin/sh
 # What the test suite needs: the real services it starts itself (OpenSSH, SLURM with munge),
-# rsync for the benchmarks, and tether with its test extras. Safe to run again.
+# rsync for the benchmarks, chromium and its driver for the web page's browser tests, and
+# tether with its test extras. Safe to run again.
 set -e
 cd "$(dirname "$0")/.."
 need=""
@@ -8,6 +9,7 @@ need=""
 command -v rsync >/dev/null 2>&1 || need="$need rsync"
 [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] || need="$need slurmctld slurmd slurm-client"
 [ -x /usr/sbin/munged ] || need="$need munge"
+[ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] || need="$need chromium chromium-driver"
 if [ -n "$need" ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq

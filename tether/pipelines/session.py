@@ -25,7 +25,8 @@ from tether.pipelines import identity as identity_mod
 from tether.pipelines.identity import JobIdentity
 from tether.pipelines.runs import RunResolver, SnapshotCache
 
-VARIABLES = ("config", "backend", "run", "confirm", "json", "strict", "tolerance", "retry", "resume_from")
+VARIABLES = ("config", "backend", "run", "confirm", "json", "strict", "tolerance", "retry", "resume_from",
+             "port", "host")
 
 BOOLEANS = ("confirm", "json", "strict", "retry")  # the variables that say yes or no
 YES, NO = ("1", "yes", "true", "on"), ("0", "no", "false", "off")

@@ -84,11 +84,11 @@ def resume_hint(session: Session | None) -> str:
 Opener = Callable[[], Session]
 
 
-def lazy(module: str, name: str) -> Callable[..., Any]:
-    """`tether.pipelines.<module>.<name>`, imported at its first call: a no-op `train` imports no
-    observer, report or repro code."""
+def lazy(module: str, name: str, package: str = "tether.pipelines") -> Callable[..., Any]:
+    """`<package>.<module>.<name>`, imported at its first call: a no-op `train` imports no
+    observer, report, repro or web page code."""
     def call(*args: Any) -> Any:
-        return getattr(importlib.import_module(f"tether.pipelines.{module}"), name)(*args)
+        return getattr(importlib.import_module(f"{package}.{module}"), name)(*args)
     call.__name__ = call.__qualname__ = name
     return call
 
@@ -230,6 +230,9 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
                             "compare: tether repro PATH [backend=NAME]",
                             lambda paths: action(recorded, lazy("repro", "repro"), paths)(), pos_arg="paths",
                             io={"capture": False}),
+        "task_ui": fixed("serve a read-only web page of every run of this project, with a Check button per "
+                         "backend: tether ui [port=N] [host=ADDR]", action(session, lazy("server", "ui", "tether.ui")),
+                         io={"capture": False}),
         "task_validate": fixed("report every config problem at once (strict=1: warnings fail too)",
                                functools.partial(validate, variables)),
     }

@@ -28,7 +28,7 @@ def same(project, run: tether.Run) -> tether.RunStatus:
     return mine
 
 
-def drive(project, config: str) -> tether.Run:
+def drive(project, config: str, epochs: int) -> tether.Run:
     """train, follow, time out, stop, resume, wait, down refused, pull, verify, attach, down."""
     job = tether.Job.load(config, cwd=str(project.root))
     run = job.train(wait=False)
@@ -43,7 +43,7 @@ def drive(project, config: str) -> tether.Run:
     assert (stopped.status, stopped.attempt) == ("stopped", 1)
     assert job.train().run_id == run.run_id  # the same run, resumed
     final = run.wait(progress=False)
-    assert (final.status, final.attempt, final.step, final.total) == ("completed", 2, final.total, 150 * 25)
+    assert (final.status, final.attempt, final.step, final.total) == ("completed", 2, final.total, epochs * 25)
     assert same(project, run).metrics["accuracy"] > 0.5
     with pytest.raises(tether.TetherError):
         run.down(confirm=True)  # nothing pulled and verified here yet: refused
@@ -57,7 +57,7 @@ def drive(project, config: str) -> tether.Run:
 
 def test_a_whole_run_through_the_api_on_the_local_backend(project):
     project.write_config(epochs=150)
-    run = drive(project, "tether.yaml")
+    run = drive(project, "tether.yaml", 150)
     with pytest.raises(tether.RunError, match="confirm=yes"):
         run.down(confirm=False)
     assert "removed" in run.down(confirm=True)
@@ -66,8 +66,8 @@ def test_a_whole_run_through_the_api_on_the_local_backend(project):
 
 def test_a_whole_run_over_ssh_and_attached_from_a_second_working_copy(project, sshd, tmp_path):
     far = tmp_path / "far"
-    project.write_config(ssh_config_text(sshd, far, epochs=150))
-    run = drive(project, "tether.yaml")
+    project.write_config(ssh_config_text(sshd, far, epochs=600))  # long enough to be stopped mid-way over ssh
+    run = drive(project, "tether.yaml", 600)
     other = tmp_path / "other"
     shutil.copytree(project.root, other, ignore=shutil.ignore_patterns(".tether"))
     attached = tether.Run.attach("lab", run.run_id, cwd=str(other))

@@ -55,9 +55,11 @@ def drive(project, config: str, epochs: int) -> tether.Run:
     return run
 
 
-def test_a_whole_run_through_the_api_on_the_local_backend(project):
-    project.write_config(epochs=150)
-    run = drive(project, "tether.yaml", 150)
+def test_a_whole_run_through_the_api_on_the_local_backend(project, capfd):
+    project.write_config(epochs=400)  # long enough to be stopped mid-way
+    run = drive(project, "tether.yaml", 400)
+    capfd.readouterr()
+    assert run.wait(progress=False).status == "completed" and capfd.readouterr() == ("", "")
     with pytest.raises(tether.RunError, match="confirm=yes"):
         run.down(confirm=False)
     assert "removed" in run.down(confirm=True)
@@ -78,7 +80,9 @@ def test_a_whole_run_over_ssh_and_attached_from_a_second_working_copy(project, s
     assert not (far / "runs" / run.run_id).exists()
 
 
-def test_a_bad_setting_is_the_clis_config_error(project):
+def test_a_bad_setting_is_the_clis_config_error_and_check_is_the_preflight(project):
+    report = tether.Job.load("tether.yaml", cwd=str(project.root)).check()
+    assert report.ready and report.backend == "local", report.text()
     with pytest.raises(tether.ConfigError, match="unknown variable retyr"):
         tether.Job.load("tether.yaml", cwd=str(project.root), retyr=True)
     with pytest.raises(tether.RunError, match="no sweep"):

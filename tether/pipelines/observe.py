@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from tether import manifest
@@ -81,7 +82,44 @@ def tail_text(far: Any, run: RunPaths, name: str = "train.log", lines: int = 20)
     return "\n".join(text.splitlines()[-lines:])
 
 
-def summary(s: Session, run: RunPaths, snap: Snapshot) -> dict:
+@dataclass(frozen=True)
+class RunStatus:
+    """What `status` reports of one run; `as_dict()` is `doit status json=1`'s object, key for key."""
+
+    run_id: str
+    status: str  # the run's state: pending, running, completed, failed, stopped, preempted, ...
+    backend: str
+    host: Optional[str]
+    step: Optional[int]
+    total: Optional[int]  # the step count the trainer announced (its step events' total_steps)
+    loss: Optional[float]  # the last step event's loss
+    heartbeat_age_s: Optional[float]  # the launcher's: "it is alive"
+    elapsed_s: Optional[float]
+    attempt: Optional[int]
+    restarts: Optional[int]
+    exit_code: Optional[int]
+    where: str  # the run dir on the far side
+    metric: dict[str, float]  # the last epoch event's numbers (accuracy, ...)
+    queue: Optional[str]  # the scheduler's state text (queue_text); None off a scheduler
+    resume_from: Optional[dict]  # the run this one was seeded from (resume_from=ID)
+    signal: Optional[str]
+    reason: Optional[str]
+    output_age_s: Optional[float]  # the trainer's last output or event: "it is making progress"
+    gpus: Optional[str]
+    far_side: tuple[str, ...]  # what the far side will do next, in words (plans.far_side_words)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last epoch metrics (the same as `metric`, the JSON's key)."""
+        return self.metric
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object of `doit status json=1`."""
+        found = {f.name: getattr(self, f.name) for f in fields(self)}
+        return dict(found, far_side=list(self.far_side))
+
+
+def summary(s: Session, run: RunPaths, snap: Snapshot) -> RunStatus:
     """What `status` reports: state, step, last loss, the launcher's and the trainer's ages, where, how
     long, and what the far side will do next (plans.far_side_words)."""
     reader = EventReader(s.backend, run)
@@ -93,16 +131,16 @@ def summary(s: Session, run: RunPaths, snap: Snapshot) -> dict:
              if k not in ("event", "t", "step", "epoch") and isinstance(v, (int, float))}
     started, ended = state.get("started_at"), state.get("ended_at")
     elapsed = ((ended or snap.now or time.time()) - started) if started else None
-    return {"run_id": run.run_id, "status": snap.status, "backend": s.job.backend,
-            "host": state.get("host"), "step": step.get("step"),
-            "loss": losses[-1] if losses else None,  # a bar position read from the output carries none
-            "heartbeat_age_s": snap.heartbeat_age_s, "elapsed_s": round(elapsed, 1) if elapsed else None,
-            "attempt": state.get("attempt"), "restarts": state.get("restarts"),
-            "exit_code": state.get("exit_code"), "where": run.remote_abs, "metric": epoch,
-            "queue": queue_text(snap), "resume_from": s.record(run).get("resume_from"),
-            "signal": state.get("signal"), "reason": state.get("reason"), "output_age_s": snap.output_age_s,
-            "gpus": gpus_text(state), "far_side": plans.far_side_words(snap)
-            + ([f"not started: {state['refused']}"] if state.get("refused") and snap.status == PENDING else [])}
+    refused = [f"not started: {state['refused']}"] if state.get("refused") and snap.status == PENDING else []
+    return RunStatus(
+        run_id=run.run_id, status=snap.status, backend=s.job.backend, host=state.get("host"),
+        step=step.get("step"), total=step.get("total_steps"),
+        loss=losses[-1] if losses else None,  # a bar position read from the output carries none
+        heartbeat_age_s=snap.heartbeat_age_s, elapsed_s=round(elapsed, 1) if elapsed else None,
+        attempt=state.get("attempt"), restarts=state.get("restarts"), exit_code=state.get("exit_code"),
+        where=run.remote_abs, metric=epoch, queue=queue_text(snap), resume_from=s.record(run).get("resume_from"),
+        signal=state.get("signal"), reason=state.get("reason"), output_age_s=snap.output_age_s,
+        gpus=gpus_text(state), far_side=tuple(plans.far_side_words(snap) + refused))
 
 
 def gpus_text(state: dict) -> Optional[str]:
@@ -129,20 +167,21 @@ def queue_text(snap: Snapshot) -> Optional[str]:
 
 
 def status(s: Session) -> None:
+    """Print the observed run's RunStatus: as JSON (json=1), or as lines."""
     run = s.observed()
     info = summary(s, run, s.snapshot(run, fresh=True))
     if flag(s.variables, "json"):
-        print(json.dumps(info, sort_keys=True))
+        print(json.dumps(info.as_dict(), sort_keys=True))
         return
-    ended = signal_words(info) if info["status"] in (FAILED, PREEMPTED, STALLED) else ""
-    ended = "; ".join(filter(None, (info["reason"], ended)))
-    print(f"{info['run_id']}: {info['status']}" + (f" ({ended})" if ended else ""))
-    for line in filter(None, [resuming.lineage(info)] + info["far_side"]):
+    ended = signal_words({"signal": info.signal}) if info.status in (FAILED, PREEMPTED, STALLED) else ""
+    ended = "; ".join(filter(None, (info.reason, ended)))
+    print(f"{info.run_id}: {info.status}" + (f" ({ended})" if ended else ""))
+    for line in filter(None, [resuming.lineage({"resume_from": info.resume_from}), *info.far_side]):
         print(f"  {line}")
     for key in ("queue", "step", "loss", "heartbeat_age_s", "output_age_s", "elapsed_s", "restarts", "exit_code",
                 "host", "gpus", "where"):
-        if info[key] is not None:
-            print(f"  {key:16} {info[key]}")
+        if getattr(info, key) is not None:
+            print(f"  {key:16} {getattr(info, key)}")
 
 
 def sweep_status(s: Session) -> None:
@@ -158,7 +197,7 @@ def sweep_status(s: Session) -> None:
     snaps = s.backend.states(runs) if runs else {}
     rows = []
     for point, run in found:
-        info = summary(point, run, snaps[run.run_id]) if run else {"run_id": None, "status": "not started"}
+        info = summary(point, run, snaps[run.run_id]).as_dict() if run else {"run_id": None, "status": "not started"}
         info.update(point=point.point.label, verified=bool(run) and manifest.still_verified(run))
         rows.append(info)
     counts = collections.Counter(r["status"] for r in rows)

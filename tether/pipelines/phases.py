@@ -192,8 +192,11 @@ def _launch_array(s: Session) -> str:
     return f"{s.run().run_id}: {mine.outcome} (SLURM job {mine.job_id})"
 
 
-def watch(s: Session, poll_min: float = 0.2) -> str:
-    """Follow the run's events with a progress bar until it ends; Ctrl-C leaves it running."""
+def watch(s: Session, poll_min: float = 0.2, deadline: float | None = None) -> str:
+    """Follow the run's events with a progress bar until it ends; Ctrl-C leaves it running.
+
+    `deadline` (time.monotonic()): TimeoutError once it passes with the run still going (it goes on).
+    """
     from tqdm import tqdm
 
     run = s.run()
@@ -213,6 +216,7 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
                 progress.write(f"{run.run_id}: {err}; retrying in {interval:.0f}s (the run goes on; Ctrl-C to leave it)",
                                file=sys.stderr)
                 s.backend.reconnect()
+                _check_deadline(run, deadline)
                 time.sleep(interval)
                 continue
             if lost_since is not None:
@@ -230,12 +234,20 @@ def watch(s: Session, poll_min: float = 0.2) -> str:
                 _restart(s, run, snap)  # no launcher left to restart it: the policy is applied from here
             _check_health(s, run, snap)
             interval = poll_min if events else min(poll_max, interval * 1.5)
+            _check_deadline(run, deadline)
             time.sleep(interval)
     state = snap.state
     write_stamp(run, "watch", status=snap.status, exit_code=state.get("exit_code"))
     if snap.status != COMPLETED:
         raise RunError(_ended_message(s, run, snap))
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
+
+
+def _check_deadline(run: RunPaths, deadline: float | None) -> None:
+    """TimeoutError once `deadline` has passed: the watch ends, the run does not."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f"run {run.run_id} has not ended yet; it goes on: wait again, or look with "
+                           f"`doit status run={run.run_id}`")
 
 
 def _show(progress, reader: EventReader, events: list[dict], label: str) -> None:

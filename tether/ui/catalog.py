@@ -22,11 +22,6 @@ REFRESH_S = 2.0  # the pages reload this often; snapshots younger than this are 
 EVENT_FIELDS = ("event", "t", "step", "epoch", "total_steps", "source")  # an event's own keys, not metrics
 
 
-def values(info: Any) -> dict[str, Any]:
-    """observe.summary's answer as a dict, whether it is one or an object with `as_dict()`."""
-    return dict(info.as_dict()) if hasattr(info, "as_dict") else dict(info)
-
-
 def number(value: Any) -> Optional[float]:
     """`value` when it is a finite int or float (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -211,7 +206,7 @@ class Catalog:
         if snap is None:
             return _replace(bare, error=error or "no state from the far side", verified=_verified(run))
         try:
-            info = values(observe.summary(s, run, snap))
+            info = observe.summary(s, run, snap).as_dict()
         except (TetherError, OSError) as err:
             return _replace(bare, status=snap.status, error=str(err), verified=_verified(run))
         curves = self._curves.get(bare.run_id)

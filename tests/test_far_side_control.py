@@ -145,7 +145,9 @@ def test_a_stalled_trainer_is_declared_stalled_and_restarted_and_status_says_so(
     assert re.search(r"heartbeat_age_s +\d", status.stdout) and re.search(r"output_age_s +\d", status.stdout), \
         status.stdout  # both ages: the launcher lives, the trainer went quiet
 
-    project.wait_for(lambda: far_state(project, run_id).get("final"), timeout=120, what="the restarted run to end")
+    # the final `exit` event, not state.json's `final`: the launcher writes the state a moment before the event
+    project.wait_for(lambda: any(e.get("final") for e in exits(project, run_id)), timeout=120,
+                     what="the restarted run to end")
     first, second = exits(project, run_id)
     assert (first["status"], first["final"], first["reason"]) == \
         ("stalled", False, "no output and no event for 2 s (stall_timeout_s)"), first

@@ -220,10 +220,9 @@ class Run:
 
     def pull(self) -> manifest.Manifest:
         """Bring the run's files home (`doit pull`) and verify them; the far side's manifest they match."""
-        with self._session() as s:
+        with self._session() as s:  # one session, as `doit run train`'s pull and verify share one
             _say(phases.pull(s))
-        self.verify()
-        with self._session() as s:
+            _say(phases.verify(s))
             return manifest.read(s.observed())
 
     def verify(self) -> Verified:

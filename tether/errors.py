@@ -6,6 +6,7 @@
      +-- BackendError         the far side cannot be reached or refused an operation
      |    +-- RemoteCommandError   a far-side command exited non-zero (exit code, stderr tail)
      +-- ManifestError        pulled files do not match the far side's manifest
+     +-- SignatureError       a mailbox file is unsigned, or signed by a key nobody trusts
 """
 
 from __future__ import annotations
@@ -43,3 +44,7 @@ class RemoteCommandError(BackendError):
 
 class ManifestError(TetherError):
     """Pulled files do not match the manifest built on the far side."""
+
+
+class SignatureError(TetherError):
+    """A file from a mailbox is unsigned, its signature is wrong, or its key is not trusted."""

@@ -18,7 +18,7 @@ from tether.errors import BackendError, RemoteCommandError
 from tether.remote.fileio import CHUNK
 from tether.remote.protocol import ChunkWriter
 from tether.remote.protocol import CheckpointInfo, LaunchResult, Preflight, PushResult, Removal, Snapshot, StopOutcome
-from tether.remote.protocol import EnvironmentInfo
+from tether.remote.protocol import EnvironmentInfo, Peeked
 
 if TYPE_CHECKING:
     from tether.backends.base import Backend
@@ -227,6 +227,25 @@ class FarSide:
                     moved(len(chunk))
 
         self.call("put", root=self.root(), path=path, answer=send, stall_s=self.backend.stall_timeout_s)
+
+    def create(self, path: str, data: bytes) -> bool:
+        """Write remote_dir/`path` whole unless it exists; whether this call made it (one of two racers does)."""
+        return self.call("create", root=self.root(), path=path, answer=lambda ask, out: out.write(data))["created"]
+
+    def append(self, path: str, offset: int, data: bytes) -> int:
+        """Append `data` to remote_dir/`path` if it is `offset` bytes long; its size after (or now, if it was not)."""
+        def send(ask: dict, out: Any) -> None:
+            if "size" not in ask:
+                out.write(data)
+
+        return self.call("append", root=self.root(), path=path, offset=offset, answer=send)["size"]
+
+    def peek(self, paths: list[str] = (), patterns: list[str] = ()) -> Peeked:  # type: ignore[assignment]
+        """Small files of remote_dir, named or matched by globs, in one request."""
+        return Peeked.of(self.call("peek", root=self.root(), paths=list(paths), patterns=list(patterns)))
+
+    def delete(self, paths: list[str]) -> None:
+        self.call("delete", root=self.root(), paths=list(paths))
 
     def remove(self, run_dir: str) -> Removal:
         return Removal.of(self.call("remove", run_dir=run_dir))

@@ -61,6 +61,10 @@ COMMANDS = {
     "submit": Command("scheduler", "submit"),
     "submit_array": Command("scheduler", "submit_array"),
     "environment": Command("environment", "ensure"),
+    "create": Command("files", "create", takes_stream=True),  # a mailbox's files (tether/remote/files.py)
+    "append": Command("files", "append", takes_stream=True),
+    "peek": Command("files", "peek"),
+    "delete": Command("files", "delete"),
 }
 
 
@@ -188,6 +192,28 @@ class EnvironmentInfo:
     @classmethod
     def of(cls, found: Dict[str, Any]) -> "EnvironmentInfo":
         return cls(**_known(cls, found))
+
+
+@dataclass(frozen=True)
+class PeekedFile:
+    """One small file as `peek` found it: its text (None above 1 MiB), size and age on the far side's clock."""
+
+    text: Optional[str]
+    size: int
+    age_s: float
+
+
+@dataclass
+class Peeked:
+    """`peek`'s answer: the far side's clock and the files found, by path under remote_dir."""
+
+    now: float = 0.0
+    files: Dict[str, PeekedFile] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, found: Dict[str, Any]) -> "Peeked":
+        return cls(found.get("now", 0.0), {p: PeekedFile(f.get("text"), f.get("size", 0), f.get("age_s", 0.0))
+                                          for p, f in (found.get("files") or {}).items()})
 
 
 @dataclass

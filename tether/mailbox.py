@@ -90,7 +90,8 @@ class Request:
     agent: str  # the agent it is for ('' : any agent of the mailbox)
     run_json_sha256: str  # runs/<id>/run.json as pushed
     tree_sha256: str  # runs/<id>/tree.json: every code and data object the run uses, by hash
-    settings: dict  # the backend's settings for `start` (env, GPU choice); remote_dir and python are the agent's
+    settings: dict  # the backend's settings for `start` (env); remote_dir, python and GPUs are the agent's
+    environment: dict  # the job's environment (tether.environment.Wanted.request()); {} : none asked for
     version: str  # the laptop's launcher version
     queue_timeout_s: float  # after this (on the mailbox's clock) unclaimed, the request is void
     signer: str = ""  # the laptop's key fingerprint, for messages

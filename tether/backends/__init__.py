@@ -4,4 +4,5 @@ BACKEND_TYPES = {
     "local": "tether.backends.local",
     "ssh": "tether.backends.ssh",
     "slurm": "tether.backends.slurm",
+    "agent": "tether.backends.agent",
 }

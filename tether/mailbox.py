@@ -34,6 +34,9 @@ from typing import Any, Optional
 
 from tether.errors import ConfigError
 
+WITHDRAWN = "(withdrawn)"  # a Claim's agent when the laptop took its own request back (a stop before any claim)
+POLL_S = 2.0  # how often an agent looks at the mailbox (tether agent --poll-s)
+STALE_S = 30.0  # an agent whose record or snapshot is older than this is "not seen" (its runs: state unknown)
 AGENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NONCE = re.compile(r"[0-9a-f]{16}")
 

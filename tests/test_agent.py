@@ -1,0 +1,156 @@
+"""`tether agent`: real agent processes on a mailbox folder (and one over a real sshd relay), filled the way the
+laptop fills it: `doit run push` of the demo project into it, then run.json and a signed request beside it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import config_text
+from helpers import poll, stop_leftover_runs
+from tether import mailbox, signing
+
+POLL = "0.2"
+
+
+class Mailbox:
+    """A file:// mailbox in tmp, a trusted laptop key, an untrusted one, and the agents started on it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.root, self.tmp = tmp_path / "mailbox", tmp_path
+        self.laptop = signing.own_signer(str(tmp_path / "keys" / "laptop"))[0]
+        self.stranger = signing.own_signer(str(tmp_path / "keys" / "stranger"))[0]
+        self.agents: list[subprocess.Popen] = []
+        self.workdirs: list[Path] = []
+
+    # ------------------------------------------------------------ the laptop's side, by hand
+
+    def push(self, project, epochs: int = 30) -> str:
+        """`doit run push` of the project into the mailbox folder; the run's id."""
+        project.write_config(config_text(epochs=epochs, backend=json.dumps({"type": "local",
+                                                                           "remote_dir": str(self.root)})))
+        project.doit("run", "push", check=True)
+        return project.run_ids()[-1]
+
+    def request(self, project, run_id: str, signer=None, unsigned: bool = False, agent: str = "") -> str:
+        """run.json beside the pushed run, and a request for it (signed by the laptop unless told); its nonce."""
+        run_json = (project.local_run(run_id) / "run.json").read_bytes()
+        (self.run(run_id) / "run.json").write_bytes(run_json)
+        tree = (self.run(run_id) / "tree.json").read_bytes()
+        nonce = mailbox.new_nonce()
+        body = mailbox.Request(run_id, nonce, agent, _sha(run_json), _sha(tree), {"env": {"AGENT_TEST": "1"}}, {},
+                               "", 600.0).as_dict()
+        self.put(mailbox.run_file(run_id, "request", nonce), body if unsigned else (signer or self.laptop).sign(body))
+        return nonce
+
+    def stop(self, run_id: str) -> str:
+        nonce = mailbox.new_nonce()
+        self.put(mailbox.run_file(run_id, "stop", nonce), self.laptop.sign(mailbox.StopRequest(run_id, nonce, 5.0).as_dict()))
+        return nonce
+
+    def put(self, rel: str, body: dict) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / (path.name + ".part")).write_text(json.dumps(body))
+        os.replace(path.parent / (path.name + ".part"), path)
+
+    def run(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+    def agent_file(self, run_id: str, kind: str, nonce: str = "") -> Path:
+        return self.root / mailbox.run_file(run_id, kind, nonce)
+
+    def snapshot(self, run_id: str) -> dict:
+        try:
+            return json.loads(self.agent_file(run_id, "snapshot").read_text())
+        except FileNotFoundError:
+            return {}
+
+    # ------------------------------------------------------------ agents
+
+    def start(self, name: str = "box", *more: str, workdir: Path | None = None, url: str = "") -> subprocess.Popen:
+        """`tether agent` in the background (its stderr kept in a file: agent-NAME.log)."""
+        workdir = workdir or self.tmp / f"work-{name}"
+        self.workdirs.append(workdir)
+        log = open(self.tmp / f"agent-{name}.log", "ab")
+        argv = [sys.executable, "-m", "tether.cli", "agent", "--mailbox", url or f"file://{self.root}", "--name", name,
+                "--workdir", str(workdir), "--trust", self.laptop.path + ".pub", "--key", str(self.tmp / "keys" / name),
+                "--gpus", "none", "--poll-s", POLL, *more]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.agents.append(proc)
+        return proc
+
+    def log(self, name: str = "box") -> str:
+        return (self.tmp / f"agent-{name}.log").read_text()
+
+    def agent_key(self, name: str = "box") -> list:
+        return signing.trusted(str(self.tmp / "keys" / f"{name}.pub"), "agent key")
+
+    def local_run(self, run_id: str, name: str = "box") -> Path:
+        return self.tmp / f"work-{name}" / "runs" / run_id
+
+    def close(self) -> None:
+        for proc in self.agents:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for workdir in self.workdirs:
+            stop_leftover_runs(workdir)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def box(tmp_path):
+    found = Mailbox(tmp_path)
+    yield found
+    found.close()
+
+
+def events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
+
+
+def assert_results_home(box: Mailbox, run_id: str, name: str = "box") -> None:
+    """The mailbox holds the run's logs, its manifest's files (hashes matching), the agent's signature, a final snapshot."""
+    run = box.run(run_id)
+    assert any(e.get("event") == "exit" for e in events(run / "events.jsonl"))
+    assert (run / "train.log").stat().st_size > 0
+    sealed = (run / "PULL_MANIFEST.json").read_bytes()
+    listed = json.loads(sealed)["files"]
+    assert {"events.jsonl", "artifacts/model.json", "artifacts/metrics.json"} <= {e["path"] for e in listed}
+    for entry in listed:
+        assert _sha((run / entry["path"]).read_bytes()) == entry["sha256"], entry["path"]
+    body, _ = signing.verified(json.loads(box.agent_file(run_id, "manifest.sig").read_text()), box.agent_key(name),
+                               "manifest.sig.json")
+    assert body == {"run_id": run_id, "manifest_sha256": _sha(sealed)}
+    snap = box.snapshot(run_id)
+    assert (snap["final"], snap["status"], snap["agent"]) == (True, "completed", name), snap
+
+
+# ---------------------------------------------------------------- one run, start to end
+
+
+def test_once_runs_a_signed_request_and_sends_back_signed_results(project, box):
+    run_id = box.push(project)
+    nonce = box.request(project, run_id)
+    agent = box.start("box", "--once")
+    assert agent.wait(timeout=60) == 0, box.log()
+    claim = json.loads(box.agent_file(run_id, "claim", nonce).read_text())
+    assert claim["agent"] == "box"
+    assert_results_home(box, run_id)
+    record = mailbox.AgentRecord.of(json.loads((box.root / mailbox.agent_record("box")).read_text()))
+    assert record.key == (box.tmp / "keys" / "box.pub").read_text().strip() and record.pid == agent.pid
+    assert "made a key" in box.log() and "SHA256:" in box.log()
+    assert "AGENT_TEST" in (box.local_run(run_id) / "launch_env.json").read_text()  # the request's env

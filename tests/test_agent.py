@@ -154,3 +154,114 @@ def test_once_runs_a_signed_request_and_sends_back_signed_results(project, box):
     assert record.key == (box.tmp / "keys" / "box.pub").read_text().strip() and record.pid == agent.pid
     assert "made a key" in box.log() and "SHA256:" in box.log()
     assert "AGENT_TEST" in (box.local_run(run_id) / "launch_env.json").read_text()  # the request's env
+
+
+# ---------------------------------------------------------------- authority
+
+
+def test_unsigned_and_untrusted_requests_are_refused_and_never_run(project, box):
+    unsigned_run = box.push(project, epochs=30)
+    unsigned = box.request(project, unsigned_run, unsigned=True)
+    forged_run = box.push(project, epochs=31)
+    forged = box.request(project, forged_run, signer=box.stranger)
+    agent = box.start("box", "--once")
+    assert agent.wait(timeout=60) == 0, box.log()
+    for run_id, nonce in ((unsigned_run, unsigned), (forged_run, forged)):
+        refused = json.loads(box.agent_file(run_id, "refused", nonce).read_text())
+        assert refused["agent"] == "box" and "trusted" in refused["reason"], refused
+        assert not box.agent_file(run_id, "claim", nonce).exists()
+        assert not (box.local_run(run_id) / "state.json").exists()  # nothing of it ran here
+        assert not (box.local_run(run_id) / "work").exists()
+    assert box.stranger.fingerprint in box.log() and "(unsigned)" in box.log(), box.log()
+    assert "no run is waiting" in box.log()
+
+
+# ---------------------------------------------------------------- two agents
+
+
+def test_two_agents_on_one_mailbox_take_different_runs(project, box):
+    runs = [box.push(project, epochs=30), box.push(project, epochs=31)]
+    nonces = [box.request(project, run_id) for run_id in runs]
+    agents = [box.start("east", "--once"), box.start("west", "--once")]
+    for agent, name in zip(agents, ("east", "west")):
+        assert agent.wait(timeout=60) == 0, box.log(name)
+    takers = [json.loads(box.agent_file(r, "claim", n).read_text())["agent"] for r, n in zip(runs, nonces)]
+    assert sorted(takers) == ["east", "west"], takers
+    for run_id, name in zip(runs, takers):
+        assert_results_home(box, run_id, name)
+
+
+# ---------------------------------------------------------------- stop, SIGTERM, SIGKILL
+
+
+def test_a_stop_request_stops_the_run(project, box):
+    run_id = box.push(project, epochs=100000)
+    box.request(project, run_id)
+    agent = box.start("box")
+    poll(lambda: box.snapshot(run_id).get("status") == "running", 30, "the run running, as the agent says")
+    nonce = box.stop(run_id)
+    poll(lambda: box.agent_file(run_id, "stopped", nonce).exists(), 30, "stopped-<nonce>.json")
+    assert json.loads(box.agent_file(run_id, "stopped", nonce).read_text())["outcome"] == "stopped"
+    poll(lambda: box.snapshot(run_id).get("final"), 30, "the final snapshot")
+    assert box.snapshot(run_id)["status"] == "stopped"
+    assert agent.poll() is None  # it goes on polling
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 0, box.log()
+    assert not (box.local_run(run_id) / "agent.json").exists()
+
+
+def _checkpointed(box: Mailbox, run_id: str) -> bool:
+    return any(e.get("event") == "checkpoint" for e in events(box.run(run_id) / "events.jsonl"))
+
+
+def assert_resumed(box: Mailbox, run_id: str) -> None:
+    launches = [e for e in events(box.run(run_id) / "events.jsonl") if e.get("event") == "launch"]
+    assert len(launches) == 2 and launches[1]["resumed_from"], launches
+    metrics = json.loads((box.run(run_id) / "artifacts" / "metrics.json").read_text())
+    assert metrics["steps"] == 300 * 25
+
+
+def test_sigterm_leaves_the_run_resumable_and_the_next_agent_resumes_it(project, box):
+    run_id = box.push(project, epochs=300)
+    box.request(project, run_id)
+    agent = box.start("box")
+    poll(lambda: _checkpointed(box, run_id), 30, "a checkpoint, mirrored")
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 0, box.log()
+    state = json.loads((box.local_run(run_id) / "state.json").read_text())
+    assert state["status"] == "stopped" and state.get("checkpoint"), state
+    assert box.snapshot(run_id)["final"] is False  # the laptop keeps waiting
+    again = box.start("box", "--once")
+    assert again.wait(timeout=60) == 0, box.log()
+    assert_resumed(box, run_id)
+    assert_results_home(box, run_id)
+
+
+def test_after_a_sigkill_of_the_agent_and_its_trainer_the_next_agent_resumes_the_run(project, box):
+    run_id = box.push(project, epochs=300)
+    box.request(project, run_id)
+    agent = box.start("box")
+    poll(lambda: _checkpointed(box, run_id), 30, "a checkpoint, mirrored")
+    agent.kill()
+    state = json.loads((box.local_run(run_id) / "state.json").read_text())
+    os.kill(state["pid"], signal.SIGKILL)  # the launcher, then the trainer's group: as a reboot would
+    os.killpg(state["pgid"], signal.SIGKILL)
+    agent.wait(timeout=30)
+    again = box.start("box", "--once")
+    assert again.wait(timeout=60) == 0, box.log()
+    assert_resumed(box, run_id)
+    assert_results_home(box, run_id)
+
+
+# ---------------------------------------------------------------- over a relay
+
+
+def test_once_over_an_ssh_relay(project, box, sshd):
+    run_id = box.push(project)
+    box.request(project, run_id)
+    relay = sshd.backend_config(box.root)
+    agent = box.start("box", "--once", "--identity-file", relay["identity_file"], "--known-hosts",
+                      relay["known_hosts"], "--relay-python", sys.executable,
+                      url=f"ssh://root@127.0.0.1:{relay['port']}{box.root}")
+    assert agent.wait(timeout=60) == 0, box.log()
+    assert_results_home(box, run_id)

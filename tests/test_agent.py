@@ -39,14 +39,15 @@ class Mailbox:
         project.doit("run", "push", check=True)
         return project.run_ids()[-1]
 
-    def request(self, project, run_id: str, signer=None, unsigned: bool = False, agent: str = "") -> str:
-        """run.json beside the pushed run, and a request for it (signed by the laptop unless told); its nonce."""
-        run_json = (project.local_run(run_id) / "run.json").read_bytes()
-        (self.run(run_id) / "run.json").write_bytes(run_json)
+    def request(self, project, run_id: str, signer=None, unsigned: bool = False, run_json: bytes = b"") -> str:
+        """run.json beside the pushed run, and a request for it (signed by the laptop unless told; for the
+        given run.json's hash if any); its nonce."""
+        pushed = (project.local_run(run_id) / "run.json").read_bytes()
+        (self.run(run_id) / "run.json").write_bytes(pushed)
         tree = (self.run(run_id) / "tree.json").read_bytes()
         nonce = mailbox.new_nonce()
-        body = mailbox.Request(run_id, nonce, agent, _sha(run_json), _sha(tree), {"env": {"AGENT_TEST": "1"}}, {},
-                               "", 600.0).as_dict()
+        body = mailbox.Request(run_id, nonce, "", _sha(run_json or pushed), _sha(tree), {"env": {"AGENT_TEST": "1"}},
+                               {}, "", 600.0).as_dict()
         self.put(mailbox.run_file(run_id, "request", nonce), body if unsigned else (signer or self.laptop).sign(body))
         return nonce
 
@@ -154,24 +155,28 @@ def test_once_runs_a_signed_request_and_sends_back_signed_results(project, box):
     assert record.key == (box.tmp / "keys" / "box.pub").read_text().strip() and record.pid == agent.pid
     assert "made a key" in box.log() and "SHA256:" in box.log()
     assert "AGENT_TEST" in (box.local_run(run_id) / "launch_env.json").read_text()  # the request's env
+    down = mailbox.down_request("box", run_id)
+    box.put(down, box.laptop.sign(mailbox.DownRequest(run_id, mailbox.new_nonce()).as_dict()))
+    assert box.start("box", "--once").wait(timeout=60) == 0, box.log()
+    assert not box.local_run(run_id).exists() and not (box.root / down).exists()
+    assert json.loads((box.tmp / "work-box" / "agent.json").read_text())["runs"] == {}
 
 
 # ---------------------------------------------------------------- authority
 
 
-def test_unsigned_and_untrusted_requests_are_refused_and_never_run(project, box):
-    unsigned_run = box.push(project, epochs=30)
-    unsigned = box.request(project, unsigned_run, unsigned=True)
-    forged_run = box.push(project, epochs=31)
-    forged = box.request(project, forged_run, signer=box.stranger)
+def test_unsigned_untrusted_and_changed_requests_are_refused_and_never_run(project, box):
+    run_id = box.push(project)
+    unsigned = box.request(project, run_id, unsigned=True)
+    forged = box.request(project, run_id, signer=box.stranger)
+    changed = box.request(project, run_id, run_json=b"{}")  # run.json is not what was signed
     agent = box.start("box", "--once")
     assert agent.wait(timeout=60) == 0, box.log()
-    for run_id, nonce in ((unsigned_run, unsigned), (forged_run, forged)):
+    for nonce, why in ((unsigned, "not signed"), (forged, "not trusted"), (changed, "not the one the request signed")):
         refused = json.loads(box.agent_file(run_id, "refused", nonce).read_text())
-        assert refused["agent"] == "box" and "trusted" in refused["reason"], refused
+        assert refused["agent"] == "box" and why in refused["reason"], refused
         assert not box.agent_file(run_id, "claim", nonce).exists()
-        assert not (box.local_run(run_id) / "state.json").exists()  # nothing of it ran here
-        assert not (box.local_run(run_id) / "work").exists()
+    assert not box.local_run(run_id).exists()  # nothing of it came here, nothing ran
     assert box.stranger.fingerprint in box.log() and "(unsigned)" in box.log(), box.log()
     assert "no run is waiting" in box.log()
 
@@ -205,9 +210,17 @@ def test_a_stop_request_stops_the_run(project, box):
     poll(lambda: box.snapshot(run_id).get("final"), 30, "the final snapshot")
     assert box.snapshot(run_id)["status"] == "stopped"
     assert agent.poll() is None  # it goes on polling
+    again = box.request(project, run_id)  # `doit run train` after `doit stop`: attempt 2, from its checkpoint
+    poll(lambda: box.snapshot(run_id).get("nonce") == again and box.snapshot(run_id)["status"] == "running",
+         30, "attempt 2 running")
+    assert json.loads(box.agent_file(run_id, "claim", again).read_text())["agent"] == "box"
+    assert box.snapshot(run_id)["state"]["attempt"] == 2 and not box.snapshot(run_id)["final"]
+    last = box.stop(run_id)
+    poll(lambda: box.agent_file(run_id, "stopped", last).exists(), 30, "the second stop")
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=30) == 0, box.log()
-    assert not (box.local_run(run_id) / "agent.json").exists()
+    held = json.loads((box.tmp / "work-box" / "agent.json").read_text())["runs"][run_id]
+    assert (held["stopped"], held["interrupted"]) == (True, False)  # a stopped run is not restarted
 
 
 def _checkpointed(box: Mailbox, run_id: str) -> bool:
@@ -218,11 +231,11 @@ def assert_resumed(box: Mailbox, run_id: str) -> None:
     launches = [e for e in events(box.run(run_id) / "events.jsonl") if e.get("event") == "launch"]
     assert len(launches) == 2 and launches[1]["resumed_from"], launches
     metrics = json.loads((box.run(run_id) / "artifacts" / "metrics.json").read_text())
-    assert metrics["steps"] == 300 * 25
+    assert metrics["steps"] == 150 * 25
 
 
 def test_sigterm_leaves_the_run_resumable_and_the_next_agent_resumes_it(project, box):
-    run_id = box.push(project, epochs=300)
+    run_id = box.push(project, epochs=150)
     box.request(project, run_id)
     agent = box.start("box")
     poll(lambda: _checkpointed(box, run_id), 30, "a checkpoint, mirrored")
@@ -238,7 +251,7 @@ def test_sigterm_leaves_the_run_resumable_and_the_next_agent_resumes_it(project,
 
 
 def test_after_a_sigkill_of_the_agent_and_its_trainer_the_next_agent_resumes_the_run(project, box):
-    run_id = box.push(project, epochs=300)
+    run_id = box.push(project, epochs=150)
     box.request(project, run_id)
     agent = box.start("box")
     poll(lambda: _checkpointed(box, run_id), 30, "a checkpoint, mirrored")
@@ -265,3 +278,11 @@ def test_once_over_an_ssh_relay(project, box, sshd):
                       url=f"ssh://root@127.0.0.1:{relay['port']}{box.root}")
     assert agent.wait(timeout=60) == 0, box.log()
     assert_results_home(box, run_id)
+
+
+def test_a_mailbox_it_cannot_reach_is_one_line_a_poll_until_it_can(box, tmp_path):
+    agent = box.start("box", url=f"ssh://root@127.0.0.1:1{box.root}")  # nothing listens on port 1
+    poll(lambda: box.log().count("failed") >= 2, 30, "two failed polls, each said")
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 0, box.log()
+    assert "Traceback" not in box.log() and "trying again" in box.log(), box.log()

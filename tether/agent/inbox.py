@@ -99,10 +99,9 @@ def verified(letter: Letter, keys: list[Any], record: Any) -> Any:
 
 def signer_of(letter: Letter) -> str:
     """The fingerprint of the key a letter says signed it ('(unsigned)' when none), for the log."""
-    try:
-        signed = json.loads(letter.text)
-        import asyncssh
+    import asyncssh
 
-        return asyncssh.import_public_key(str(signed["key"])).get_fingerprint()
-    except Exception:  # anything that is no signature at all
+    try:
+        return asyncssh.import_public_key(str(json.loads(letter.text)["key"])).get_fingerprint()
+    except (ValueError, KeyError, TypeError, asyncssh.KeyImportError):  # no signature at all
         return "(unsigned)"

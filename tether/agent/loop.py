@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 import signal
 import socket
 import sys
@@ -17,6 +18,7 @@ from tether.agent.ledger import Held, Ledger
 from tether.agent.options import Options
 from tether.backends import agent as agent_backend
 from tether.backends import local
+from tether.backends.farside import FarSide
 from tether.errors import BackendError, ConfigError, RunError, SignatureError, TetherError
 from tether.remote.protocol import ERROR, Snapshot
 
@@ -37,19 +39,9 @@ class Agent:
         self.signer, made = signing.own_signer(options.key)
         say(f"{'made a key' if made else 'signs results with'} {self.signer.path} ({self.signer.fingerprint})")
         self.keys = signing.trusted(options.trust, "--trust")
-        gpus: Any = int(options.gpus) if options.gpus.isdigit() else options.gpus
-        config = local.Config(remote_dir=options.folder, python=options.python, gpus=gpus)
-        if config.problems():
-            raise ConfigError([p.replace("remote_dir", "--workdir").replace("gpus", "--gpus") for p in config.problems()])
-        self.local = local.Backend("agent", config, options.folder)
-        self.local.far.channel()  # claims the workdir (or refuses a folder tether does not own) before we write in it
+        self.local = this_machine(options)
         self.ledger = Ledger(options.folder)
-        relay = agent_backend.Config(mailbox=options.mailbox, identity_file=options.identity_file,
-                                     known_hosts=options.known_hosts, ssh_config=options.ssh_config,
-                                     python=options.relay_python)
-        if relay.problems():
-            raise ConfigError(relay.problems())
-        self.mail = agent_backend.Backend(self.name, relay, os.path.join(options.folder, "relay")).far
+        self.mail = the_mailbox(options)
         self.described = self._describe()
 
     # ------------------------------------------------------------ the loop
@@ -58,8 +50,7 @@ class Agent:
         """Poll until SIGTERM/SIGINT (then stop the runs, leaving them resumable), or once a --once run is home."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop_soon)
-        self.recover()
-        took = False
+        took = self.recover()
         while not self.stopping:
             try:
                 took = self.poll() or took
@@ -70,7 +61,8 @@ class Agent:
                 failed = True
             if self.o.once and not self.ledger.busy():
                 if not took:
-                    say("no run is waiting for this agent" if not failed else "nothing was done")
+                    say("the mailbox could not be reached: nothing was done" if failed else
+                        "no run is waiting for this agent")
                 return 1 if failed and not took else 0
             self._sleep(self.o.poll_s)
         return self.interrupt()
@@ -125,7 +117,10 @@ class Agent:
                                                   stopped=False, interrupted=False)))
         except RunError as err:
             self.refuse(letter, err)
-            self.ledger.drop(request.run_id) if held is None else self.ledger.put(held)
+            if held is None:
+                self.ledger.drop(request.run_id)
+            else:
+                self.ledger.put(held)  # as it was before this request
         return True
 
     def refuse(self, letter: Letter, err: TetherError) -> None:
@@ -160,8 +155,7 @@ class Agent:
             return
         done = self.local.far.stop(self._run_dir(held.run_id), float(asked.grace_s))
         self.ledger.put(held.but(stopped=True, interrupted=False))
-        self.mail.create(mailbox.run_file(held.run_id, "stopped", letter.nonce),
-                         json.dumps({k: v for k, v in vars(done).items()}).encode())
+        self.mail.create(mailbox.run_file(held.run_id, "stopped", letter.nonce), json.dumps(asdict(done)).encode())
         say(f"{held.run_id}: stop request {letter.nonce}: {done.outcome}")
 
     def down(self, letter: Letter) -> None:
@@ -204,8 +198,9 @@ class Agent:
 
     # ------------------------------------------------------------ start and end
 
-    def recover(self) -> None:
-        """On start: runs this agent interrupted, or that died with it (a reboot), start again from their checkpoint."""
+    def recover(self) -> bool:
+        """On start: runs this agent interrupted, or that died with it (a reboot), start again from their
+        checkpoint; whether it holds a run."""
         held = [self.ledger.runs[rid] for rid in self.ledger.busy()]
         snaps = self.local.far.probe([self._run_dir(h.run_id) for h in held])
         for one in held:
@@ -218,6 +213,7 @@ class Agent:
                 self.launch(self.ledger.put(one.but(interrupted=False)))
             except RunError as err:
                 say(str(err))
+        return bool(held)
 
     def interrupt(self) -> int:
         """SIGTERM/SIGINT: stop the live runs (resumable), mirror once, exit 0."""
@@ -256,6 +252,27 @@ class Agent:
         fs = os.statvfs(self.o.folder)
         return mailbox.AgentRecord(**dict(self.described.as_dict(), free_mb=fs.f_bavail * fs.f_frsize >> 20,
                                           running=self.ledger.busy()))
+
+
+def this_machine(options: Options) -> local.Backend:
+    """The local far side the runs live in (its workdir claimed now, or refused if tether does not own it)."""
+    gpus: Any = int(options.gpus) if options.gpus.isdigit() else options.gpus
+    config = local.Config(remote_dir=options.folder, python=options.python, gpus=gpus)
+    if config.problems():
+        raise ConfigError([p.replace("remote_dir", "--workdir").replace("gpus", "--gpus") for p in config.problems()])
+    backend = local.Backend("agent", config, options.folder)
+    backend.far.channel()  # the claim, before the agent writes its own files there
+    return backend
+
+
+def the_mailbox(options: Options) -> FarSide:
+    """The mailbox's far side, reached as the laptop reaches it (a local serve process, or the relay's)."""
+    relay = agent_backend.Config(mailbox=options.mailbox, identity_file=options.identity_file,
+                                 known_hosts=options.known_hosts, ssh_config=options.ssh_config,
+                                 python=options.relay_python)
+    if relay.problems():
+        raise ConfigError(relay.problems())
+    return agent_backend.Backend(options.name, relay, os.path.join(options.folder, "relay")).far
 
 
 def _gpu_lines(gpus: list[dict]) -> list[str]:

@@ -286,3 +286,15 @@ def test_a_mailbox_it_cannot_reach_is_one_line_a_poll_until_it_can(box, tmp_path
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=30) == 0, box.log()
     assert "Traceback" not in box.log() and "trying again" in box.log(), box.log()
+
+
+def test_bad_options_are_one_line_each_naming_the_fix(box, tmp_path):
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("not tether's")
+    done = subprocess.run([sys.executable, "-m", "tether.cli", "agent", "--mailbox", "s3://bucket/x", "--name", "a b",
+                           "--poll-s", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 3 and "--name 'a b'" in done.stderr and "s3" in done.stderr, done.stderr
+    agent = box.start("box", "--once", workdir=tmp_path / "theirs")
+    assert agent.wait(timeout=60) == 2
+    assert "give --workdir" in box.log() and "Traceback" not in box.log(), box.log()

@@ -261,7 +261,10 @@ def this_machine(options: Options) -> local.Backend:
     if config.problems():
         raise ConfigError([p.replace("remote_dir", "--workdir").replace("gpus", "--gpus") for p in config.problems()])
     backend = local.Backend("agent", config, options.folder)
-    backend.far.channel()  # the claim, before the agent writes its own files there
+    try:
+        backend.far.channel()  # the claim, before the agent writes its own files there
+    except BackendError as err:
+        raise BackendError(str(err).replace("point remote_dir at", "give --workdir")) from None
     return backend
 
 

@@ -53,7 +53,7 @@ def copy_objects(mail: FarSide, local: LocalBackend, hashes: list[str]) -> int:
         tmp = f"{target}.tmp-{os.getpid()}"
         digest = hashlib.sha256()
         with open(tmp, "wb") as out:
-            def write(chunk: bytes) -> None:
+            def write(chunk: bytes) -> None:  # hashed as it lands: a wrong object never gets its name
                 digest.update(chunk)
                 out.write(chunk)
 

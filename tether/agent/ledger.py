@@ -17,6 +17,8 @@ class Held:
 
     run_id: str
     nonce: str  # the request (attempt) it runs now
+    request: dict = field(default_factory=dict)  # the verified Request of that attempt
+    launched: bool = False  # its launcher started (else: claimed, still to be fetched and started)
     settings: dict = field(default_factory=dict)  # what its `start` got (a restart here gets the same)
     offsets: dict = field(default_factory=dict)  # mirrored file -> bytes the mailbox has
     uploaded: dict = field(default_factory=dict)  # result file -> SHA-256 put in the mailbox for this attempt
@@ -26,6 +28,7 @@ class Held:
 
     @classmethod
     def of(cls, found: Any) -> "Held":
+        """A record as agent.json holds it (keys it does not know are left out)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in found.items() if k in names})
 
@@ -50,6 +53,7 @@ class Ledger:
         return held
 
     def drop(self, run_id: str) -> None:
+        """Forget a run (removed here, or never taken after all) and save."""
         if self.runs.pop(run_id, None) is not None:
             self.save()
 
@@ -58,4 +62,5 @@ class Ledger:
         return sorted(rid for rid, held in self.runs.items() if not held.home)
 
     def save(self) -> None:
+        """agent.json, written whole (tmp, fsync, rename)."""
         atomic_write_json(self.path, {"runs": {rid: asdict(h) for rid, h in sorted(self.runs.items())}})

@@ -105,23 +105,33 @@ class Agent:
         if not self.mail.create(mailbox.run_file(letter.run_id, "claim", letter.nonce), json.dumps(claim.as_dict()).encode()):
             return False  # another agent took it first
         say(f"claimed {letter.run_id} (request {letter.nonce}, signed by {inbox.signer_of(letter)})")
-        held = self.ledger.runs.get(request.run_id)
+        held = self.ledger.runs.get(request.run_id) or Held(request.run_id, request.nonce)
+        self.begin(letter, self.ledger.put(held.but(nonce=request.nonce, request=request.as_dict(), launched=False,
+                                                    home=False, uploaded={}, stopped=False, interrupted=False)))
+        return True
+
+    def begin(self, letter: Letter, held: Held) -> None:
+        """A claimed request's run fetched (or its ended attempt reopened) and started; refused if it cannot be.
+        A mailbox lost on the way leaves it claimed and not launched: the next poll begins it again."""
+        request, run_dir = mailbox.Request.of(held.request), self._run_dir(held.run_id)
+        again = os.path.exists(os.path.join(run_dir, "run.json"))
         try:
             settings = fetch.settings(self.local, request)
-            if held is None:
-                fetch.build(self.mail, self.local, request)
+            if again:
+                self.local.far.reopen(run_dir)  # "open" for a run that never ended (it continues as it is)
             else:
-                self._reopen(held)
-            again = held or Held(request.run_id, request.nonce)
-            self.launch(self.ledger.put(again.but(nonce=request.nonce, settings=settings, home=False, uploaded={},
-                                                  stopped=False, interrupted=False)))
+                fetch.build(self.mail, self.local, request)
+            self.launch(self.ledger.put(held.but(settings=settings)))
         except RunError as err:
             self.refuse(letter, err)
-            if held is None:
-                self.ledger.drop(request.run_id)
+            if again:
+                self.ledger.put(held.but(launched=True, home=True))  # its earlier results stay what the mailbox has
             else:
-                self.ledger.put(held)  # as it was before this request
-        return True
+                self.ledger.drop(held.run_id)
+            return
+        self.ledger.put(self.ledger.runs[held.run_id].but(launched=True))
+        if again:  # the earlier attempt's results are withdrawn: this attempt's replace them when it ends
+            self.mail.delete([f"runs/{held.run_id}/PULL_MANIFEST.json", mailbox.run_file(held.run_id, "manifest.sig")])
 
     def refuse(self, letter: Letter, err: TetherError) -> None:
         """refused-<nonce>.json, once, and a line naming the signer: nothing of the letter is executed."""
@@ -135,11 +145,6 @@ class Agent:
         if result.outcome == ERROR:
             raise RunError(f"{held.run_id}: the launcher did not start here: {result.error}")
         say(f"{held.run_id}: {result.outcome} (attempt {result.attempt})")
-
-    def _reopen(self, held: Held) -> None:
-        """A run held here, asked for again (a new attempt): its ended attempt reopened, its old results withdrawn."""
-        self.local.far.reopen(self._run_dir(held.run_id))
-        self.mail.delete([f"runs/{held.run_id}/PULL_MANIFEST.json", mailbox.run_file(held.run_id, "manifest.sig")])
 
     # ------------------------------------------------------------ stops and downs
 
@@ -178,12 +183,20 @@ class Agent:
 
     def mirror_all(self) -> None:
         """Every held run whose results are not home: logs, results once sealed, then its snapshot."""
+        for one in [self.ledger.runs[rid] for rid in self.ledger.busy() if not self.ledger.runs[rid].launched]:
+            self.begin(_letter_of(one), one)  # claimed when the mailbox went away mid-fetch
         held = [self.ledger.runs[rid] for rid in self.ledger.busy()]
         snaps = self.local.far.probe([self._run_dir(h.run_id) for h in held])
         for one in held:
-            self.mirror(one, snaps[self._run_dir(one.run_id)])
+            snap = snaps[self._run_dir(one.run_id)]
+            if snap.status == "absent":
+                say(f"{one.run_id}: its folder here is gone; it is no longer held")
+                self.ledger.drop(one.run_id)
+            else:
+                self.mirror(one, snap)
 
     def mirror(self, held: Held, snap: Snapshot) -> None:
+        """One held run: its logs' new bytes, its results once it is final and sealed, then its snapshot."""
         run_dir = self._run_dir(held.run_id)
         held = self.ledger.put(mirror.logs(self.mail, run_dir, held))
         if snap.final and not held.interrupted:
@@ -205,7 +218,8 @@ class Agent:
         snaps = self.local.far.probe([self._run_dir(h.run_id) for h in held])
         for one in held:
             snap = snaps[self._run_dir(one.run_id)]
-            if one.stopped or snap.alive or snap.status == "absent" or not (one.interrupted or not snap.final):
+            if not one.launched or one.stopped or snap.alive or snap.status == "absent" \
+                    or not (one.interrupted or not snap.final):
                 continue  # stopped on request, still running (mirrored again), or ended for good: left as is
             if snap.final:
                 self.local.far.reopen(self._run_dir(one.run_id))
@@ -252,6 +266,11 @@ class Agent:
         fs = os.statvfs(self.o.folder)
         return mailbox.AgentRecord(**dict(self.described.as_dict(), free_mb=fs.f_bavail * fs.f_frsize >> 20,
                                           running=self.ledger.busy()))
+
+
+def _letter_of(held: Held) -> Letter:
+    """The request a held run answers, as the letter it came in (for a refusal)."""
+    return Letter(inbox.REQUEST, held.run_id, held.nonce, mailbox.run_file(held.run_id, "request", held.nonce), "", 0.0)
 
 
 def this_machine(options: Options) -> local.Backend:

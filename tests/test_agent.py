@@ -39,7 +39,8 @@ class Mailbox:
         project.doit("run", "push", check=True)
         return project.run_ids()[-1]
 
-    def request(self, project, run_id: str, signer=None, unsigned: bool = False, run_json: bytes = b"") -> str:
+    def request(self, project, run_id: str, signer=None, unsigned: bool = False, run_json: bytes = b"",
+                timeout_s: float = 600.0) -> str:
         """run.json beside the pushed run, and a request for it (signed by the laptop unless told; for the
         given run.json's hash if any); its nonce."""
         pushed = (project.local_run(run_id) / "run.json").read_bytes()
@@ -47,7 +48,7 @@ class Mailbox:
         tree = (self.run(run_id) / "tree.json").read_bytes()
         nonce = mailbox.new_nonce()
         body = mailbox.Request(run_id, nonce, "", _sha(run_json or pushed), _sha(tree), {"env": {"AGENT_TEST": "1"}},
-                               {}, "", 600.0).as_dict()
+                               {}, "", timeout_s).as_dict()
         self.put(mailbox.run_file(run_id, "request", nonce), body if unsigned else (signer or self.laptop).sign(body))
         return nonce
 
@@ -170,6 +171,7 @@ def test_unsigned_untrusted_and_changed_requests_are_refused_and_never_run(proje
     unsigned = box.request(project, run_id, unsigned=True)
     forged = box.request(project, run_id, signer=box.stranger)
     changed = box.request(project, run_id, run_json=b"{}")  # run.json is not what was signed
+    void = box.request(project, run_id, timeout_s=0.001)  # older than its queue_timeout_s: left alone
     agent = box.start("box", "--once")
     assert agent.wait(timeout=60) == 0, box.log()
     for nonce, why in ((unsigned, "not signed"), (forged, "not trusted"), (changed, "not the one the request signed")):
@@ -177,6 +179,7 @@ def test_unsigned_untrusted_and_changed_requests_are_refused_and_never_run(proje
         assert refused["agent"] == "box" and why in refused["reason"], refused
         assert not box.agent_file(run_id, "claim", nonce).exists()
     assert not box.local_run(run_id).exists()  # nothing of it came here, nothing ran
+    assert not box.agent_file(run_id, "claim", void).exists() and not box.agent_file(run_id, "refused", void).exists()
     assert box.stranger.fingerprint in box.log() and "(unsigned)" in box.log(), box.log()
     assert "no run is waiting" in box.log()
 
@@ -223,46 +226,37 @@ def test_a_stop_request_stops_the_run(project, box):
     assert (held["stopped"], held["interrupted"]) == (True, False)  # a stopped run is not restarted
 
 
-def _checkpointed(box: Mailbox, run_id: str) -> bool:
-    return any(e.get("event") == "checkpoint" for e in events(box.run(run_id) / "events.jsonl"))
+def _checkpointed(box: Mailbox, run_id: str, attempt: int) -> bool:
+    """Whether the mailbox's events say attempt `attempt` has saved a checkpoint."""
+    launched = 0
+    for e in events(box.run(run_id) / "events.jsonl"):
+        launched += e.get("event") == "launch"
+        if launched == attempt and e.get("event") == "checkpoint":
+            return True
+    return False
 
 
-def assert_resumed(box: Mailbox, run_id: str) -> None:
-    launches = [e for e in events(box.run(run_id) / "events.jsonl") if e.get("event") == "launch"]
-    assert len(launches) == 2 and launches[1]["resumed_from"], launches
-    metrics = json.loads((box.run(run_id) / "artifacts" / "metrics.json").read_text())
-    assert metrics["steps"] == 150 * 25
-
-
-def test_sigterm_leaves_the_run_resumable_and_the_next_agent_resumes_it(project, box):
-    run_id = box.push(project, epochs=150)
+def test_sigterm_then_a_sigkill_with_the_trainer_each_leave_the_run_for_the_next_agent_to_resume(project, box):
+    run_id = box.push(project, epochs=200)
     box.request(project, run_id)
     agent = box.start("box")
-    poll(lambda: _checkpointed(box, run_id), 30, "a checkpoint, mirrored")
+    poll(lambda: _checkpointed(box, run_id, 1), 30, "a checkpoint of attempt 1, mirrored")
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=30) == 0, box.log()
     state = json.loads((box.local_run(run_id) / "state.json").read_text())
     assert state["status"] == "stopped" and state.get("checkpoint"), state
     assert box.snapshot(run_id)["final"] is False  # the laptop keeps waiting
-    again = box.start("box", "--once")
-    assert again.wait(timeout=60) == 0, box.log()
-    assert_resumed(box, run_id)
-    assert_results_home(box, run_id)
-
-
-def test_after_a_sigkill_of_the_agent_and_its_trainer_the_next_agent_resumes_the_run(project, box):
-    run_id = box.push(project, epochs=150)
-    box.request(project, run_id)
-    agent = box.start("box")
-    poll(lambda: _checkpointed(box, run_id), 30, "a checkpoint, mirrored")
+    agent = box.start("box")  # resumes it; then the machine "reboots": the agent, the launcher, the trainer
+    poll(lambda: _checkpointed(box, run_id, 2), 30, "a checkpoint of attempt 2, mirrored")
     agent.kill()
     state = json.loads((box.local_run(run_id) / "state.json").read_text())
-    os.kill(state["pid"], signal.SIGKILL)  # the launcher, then the trainer's group: as a reboot would
+    os.kill(state["pid"], signal.SIGKILL)
     os.killpg(state["pgid"], signal.SIGKILL)
     agent.wait(timeout=30)
-    again = box.start("box", "--once")
-    assert again.wait(timeout=60) == 0, box.log()
-    assert_resumed(box, run_id)
+    assert box.start("box", "--once").wait(timeout=60) == 0, box.log()
+    launches = [e for e in events(box.run(run_id) / "events.jsonl") if e.get("event") == "launch"]
+    assert len(launches) == 3 and all(e["resumed_from"] for e in launches[1:]), launches
+    assert json.loads((box.run(run_id) / "artifacts" / "metrics.json").read_text())["steps"] == 200 * 25
     assert_results_home(box, run_id)
 
 

@@ -157,20 +157,19 @@ class Job(_Sessions):
 
     def train(self, wait: bool = False) -> "Run":
         """up, push and launch, each unless done (`doit run launch`; never launched twice); wait=True:
-        then watch, pull and verify, as `doit run train` does."""
+        then watch, pull and verify, each unless done, as `doit run train` does."""
         with self._session() as s:
             if s.job.sweep and not s.point:
                 raise RunError(f"{s.job.source} has a sweep: job.sweep() runs its points")
             _advance(Job.over(s), s, FORWARD)
             run = self._run(s)
         if wait:
-            run.wait()
-            run.pull()
+            _finish(run)
         return run
 
     def sweep(self, wait: bool = False) -> list["Run"]:
-        """One Run per sweep point, each up, pushed and launched; wait=True: then each watched, pulled
-        and verified. RunError for a job without a sweep."""
+        """One Run per sweep point, each up, pushed and launched unless done; wait=True: then each watched,
+        pulled and verified unless done. RunError for a job without a sweep."""
         with self._session() as s:
             if not s.points:
                 raise RunError(f"{s.job.source} has no sweep: add a `sweep:` section, or use job.train()")
@@ -182,8 +181,7 @@ class Job(_Sessions):
                 _advance(Job.over(point), point, ("launch",))
             runs = [self._run(point) for point in s.points]
         for run in runs if wait else ():
-            run.wait()
-            run.pull()
+            _finish(run)
         return runs
 
     def _run(self, s: Session) -> "Run":
@@ -198,6 +196,16 @@ def _advance(job: Job, s: Session, names: tuple[str, ...]) -> None:
     for name in names:
         if not getattr(phases, f"{name}_done")(s):
             _say(getattr(job, name)())
+
+
+def _finish(run: "Run") -> None:
+    """Watch the run to its end, then pull and verify it unless that is done (as `doit run train`'s
+    uptodate decides), in one session."""
+    with run._session() as s:
+        here = Run.over(s)
+        here.wait()
+        if not phases.pulled_done(s):
+            here.pull()
 
 
 class Run(_Sessions):

@@ -55,6 +55,11 @@ def drive(project, config: str, epochs: int) -> tether.Run:
     for event in run.events(follow=True, poll_s=0.05):
         if event.get("event") == "step" and event["step"] >= 60:
             break
+    mine, theirs = run.status().as_dict(), cli_status(project, run.run_id)
+    # step, loss, metric, elapsed_s and the ages move between the two looks: compared are the fields that stay
+    steady = ("status", "attempt", "where", "host", "backend", "run_id", "total")
+    assert {k: mine[k] for k in steady} == {k: theirs[k] for k in steady}
+    assert (mine["status"], mine["attempt"], mine["total"]) == ("running", 1, epochs * 25)
     with pytest.raises(TimeoutError):
         run.wait(timeout=0.2, progress=False)
     assert run.status().status == "running"  # the run goes on

@@ -35,9 +35,9 @@ def launches(project, run_id: str) -> int:
     return sum(e.get("event") == "launch" for e in project.events(run_id))
 
 
-def finished_here(project, run: tether.Run) -> dict:
-    """`run` completed, and pulled and verified here by the call that returned it; its PULL_VERIFIED.json.
-    Each verified file's SHA-256 is hashed again here, from the pulled file itself."""
+def finished_here(project, run: tether.Run) -> None:
+    """`run` completed, and pulled and verified here by the call that returned it (its PULL_VERIFIED.json is
+    there before verify() is called); each verified file's SHA-256 hashed again here, from the pulled file."""
     assert run.status().status == "completed"
     recorded = json.loads((project.local_run(run.run_id) / "PULL_VERIFIED.json").read_text())  # before verify()
     verified = run.verify()
@@ -45,7 +45,6 @@ def finished_here(project, run: tether.Run) -> dict:
     assert {e.path for e in verified.files} >= {"artifacts/model.json", "artifacts/metrics.json", "events.jsonl"}
     for entry in verified.files:
         assert sha256(Path(verified.folder) / entry.path) == entry.sha256, entry.path
-    return recorded
 
 
 def drive(project, config: str, epochs: int) -> tether.Run:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 import tether
-from conftest import ssh_config_text
+from conftest import config_text, ssh_config_text
+from helpers import sha256
 
 AGES = ("heartbeat_age_s", "output_age_s")  # they grow between two looks
 
@@ -28,6 +30,23 @@ def same(project, run: tether.Run) -> tether.RunStatus:
     return mine
 
 
+def launches(project, run_id: str) -> int:
+    """How many times the far side launched the run: its launcher's `launch` events."""
+    return sum(e.get("event") == "launch" for e in project.events(run_id))
+
+
+def finished_here(project, run: tether.Run) -> None:
+    """`run` completed, and pulled and verified here by the call that returned it (its PULL_VERIFIED.json is
+    there before verify() is called); each verified file's SHA-256 hashed again here, from the pulled file."""
+    assert run.status().status == "completed"
+    recorded = json.loads((project.local_run(run.run_id) / "PULL_VERIFIED.json").read_text())  # before verify()
+    verified = run.verify()
+    assert verified.manifest_sha256 == recorded["manifest_sha256"]
+    assert {e.path for e in verified.files} >= {"artifacts/model.json", "artifacts/metrics.json", "events.jsonl"}
+    for entry in verified.files:
+        assert sha256(Path(verified.folder) / entry.path) == entry.sha256, entry.path
+
+
 def drive(project, config: str, epochs: int) -> tether.Run:
     """train, follow, time out, stop, resume, wait, down refused, pull, verify, attach, down."""
     job = tether.Job.load(config, cwd=str(project.root))
@@ -35,6 +54,11 @@ def drive(project, config: str, epochs: int) -> tether.Run:
     for event in run.events(follow=True, poll_s=0.05):
         if event.get("event") == "step" and event["step"] >= 60:
             break
+    mine, theirs = run.status().as_dict(), cli_status(project, run.run_id)
+    # step, loss, metric, elapsed_s and the ages move between the two looks: compared are the fields that stay
+    steady = ("status", "attempt", "where", "host", "backend", "run_id", "total")
+    assert {k: mine[k] for k in steady} == {k: theirs[k] for k in steady}
+    assert (mine["status"], mine["attempt"], mine["total"]) == ("running", 1, epochs * 25)
     with pytest.raises(TimeoutError):
         run.wait(timeout=0.2, progress=False)
     assert run.status().status == "running"  # the run goes on
@@ -87,3 +111,35 @@ def test_a_bad_setting_is_the_clis_config_error_and_check_is_the_preflight(proje
         tether.Job.load("tether.yaml", cwd=str(project.root), retyr=True)
     with pytest.raises(tether.RunError, match="no sweep"):
         tether.Job.load("tether.yaml", cwd=str(project.root)).sweep()
+
+
+def test_train_with_wait_returns_the_run_completed_pulled_and_verified(project, capsys):
+    job = tether.Job.load("tether.yaml", cwd=str(project.root))
+    run = job.train(wait=True)
+    finished_here(project, run)
+    assert launches(project, run.run_id) == 1
+    capsys.readouterr()
+    assert job.train(wait=True).run_id == run.run_id  # all done already: nothing runs again, nothing is said
+    assert capsys.readouterr().out == "" and launches(project, run.run_id) == 1
+
+
+def test_sweep_with_wait_returns_each_point_completed_pulled_and_verified_and_again_the_same(project, capsys):
+    project.write_config(config_text(command="{python} demo/train.py --epochs 2 --lr {lr} --seed {seed}")
+                         + "sweep:\n  lr: [0.1, 0.03]\n  seed: [0]\n")
+    job = tether.Job.load("tether.yaml", cwd=str(project.root))
+    with pytest.raises(tether.RunError, match="has a sweep"):
+        job.train()
+    runs = job.sweep(wait=True)
+    assert len({run.run_id for run in runs}) == 2 and sorted(project.run_ids()) == sorted(r.run_id for r in runs)
+    stamps = {}
+    for run in runs:
+        finished_here(project, run)
+        assert launches(project, run.run_id) == 1
+        stamps[run.run_id] = (project.local_run(run.run_id) / "launch.json").read_text()
+    capsys.readouterr()
+    again = job.sweep()
+    assert [r.run_id for r in again] == [r.run_id for r in runs]
+    assert capsys.readouterr().out == ""  # no phase ran: every point was up, pushed and launched already
+    for run in again:
+        assert launches(project, run.run_id) == 1
+        assert (project.local_run(run.run_id) / "launch.json").read_text() == stamps[run.run_id]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from tether import manifest
+from tether.backends.base import Report
 from tether.errors import BackendError, RunError
 from tether.paths import RunPaths
 from tether.remote.fileio import json_lines
@@ -166,10 +167,8 @@ def queue_text(snap: Snapshot) -> Optional[str]:
     return f"job {snap.job_id} {text}"
 
 
-def status(s: Session) -> None:
-    """Print the observed run's RunStatus: as JSON (json=1), or as lines."""
-    run = s.observed()
-    info = summary(s, run, s.snapshot(run, fresh=True))
+def show_status(s: Session, info: RunStatus) -> None:
+    """Print a run's RunStatus as `doit status` does: as JSON (json=1), or as lines."""
     if flag(s.variables, "json"):
         print(json.dumps(info.as_dict(), sort_keys=True))
         return
@@ -248,14 +247,19 @@ def stop(s: Session) -> str:
     return f"{run.run_id}: {outcome.outcome}"
 
 
-def check(s: Session) -> Optional[str]:
+def preflight(s: Session) -> Report:
+    """The backend's preflight: this tether's launcher installed there, the far side prepared and checked
+    against what the trainer requires. Not being ready is the report's `.ready`, no error."""
     s.backend.install_launcher()
     s.backend.prepare()
-    report = s.backend.check(s.job.trainer.requires())
+    return s.backend.check(s.job.trainer.requires())
+
+
+def show_check(s: Session, report: Report) -> None:
+    """Print a preflight as `doit check` does (json=1: as JSON); BackendError when it is not ready."""
     print(json.dumps(report.as_dict(), sort_keys=True) if flag(s.variables, "json") else report.text())
     if not report.ready:
         raise BackendError(f"backend {s.job.backend} is not ready: fix the checks marked NO")
-    return None
 
 
 def prune(s: Session) -> str:

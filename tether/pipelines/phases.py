@@ -195,7 +195,7 @@ def _launch_array(s: Session) -> str:
 def watch(s: Session, poll_min: float = 0.2, deadline: float | None = None) -> str:
     """Follow the run's events with a progress bar until it ends; Ctrl-C leaves it running.
 
-    `deadline` (time.monotonic()): TimeoutError once it passes with the run still going (it goes on).
+    `deadline` (time.monotonic()): StillGoing (a TimeoutError) once it passes with the run still going (it goes on).
     """
     from tqdm import tqdm
 
@@ -243,10 +243,14 @@ def watch(s: Session, poll_min: float = 0.2, deadline: float | None = None) -> s
     return f"{run.run_id}: completed after {state.get('ended_at', 0) - state.get('started_at', 0):.1f}s"
 
 
+class StillGoing(TimeoutError):
+    """A watch's deadline passed with the run still going: the watch ends, the run does not."""
+
+
 def _check_deadline(run: RunPaths, deadline: float | None) -> None:
-    """TimeoutError once `deadline` has passed: the watch ends, the run does not."""
+    """StillGoing (a TimeoutError) once `deadline` has passed: the watch ends, the run does not."""
     if deadline is not None and time.monotonic() >= deadline:
-        raise TimeoutError(f"run {run.run_id} has not ended yet; it goes on: wait again, or look with "
+        raise StillGoing(f"run {run.run_id} has not ended yet; it goes on: wait again, or look with "
                            f"`doit status run={run.run_id}`")
 
 

@@ -1,7 +1,9 @@
 """The phases as doit task dicts, shared by dodo.py and the `tether` command.
 
-Every task's `uptodate` asks the phase itself (stamps and far-side state), so doit's database
-is only a cache: losing it to a SIGKILL makes a phase look again, never redo its work.
+Every task's action is a call of tether.api on the invocation's one Session, inside the API's edge
+(tether.api.edge), so the CLI and the API are one path. Every task's `uptodate` asks the phase itself
+(stamps and far-side state), so doit's database is only a cache: losing it to a SIGKILL makes a phase
+look again, never redo its work.
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ import functools
 import importlib
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from doit.exceptions import TaskError, TaskFailed, UnmetDependency
 from doit.reporter import ConsoleReporter
 
+from tether import api
 from tether import config as config_mod
 from tether import sweep
 from tether.errors import ConfigError, TetherError
-from tether.pipelines import phases, teardown
+from tether.pipelines import observe, phases
 from tether.pipelines.session import Session, check_variables, flag
 from tether.remote.fileio import TornFile
 
@@ -81,12 +84,42 @@ def resume_hint(session: Session | None) -> str:
     return f"interrupted: nothing is lost.{where} Run the same command again to resume."
 
 
+def _pull(s: Session) -> None:
+    api.Run.over(s).pull(verify=False)
+
+
+def _verify(s: Session) -> None:
+    api.Run.over(s).verify()
+
+
+def _status(s: Session) -> None:
+    observe.show_status(s, api.Run.over(s).status())
+
+
+def _check(s: Session) -> None:
+    observe.show_check(s, api.Job.over(s).check())
+
+
+CALLS: dict[str, Callable[[Session], Optional[str]]] = {  # what each task's action asks of the API
+    "up": lambda s: api.Job.over(s).up(),
+    "push": lambda s: api.Job.over(s).push(),
+    "launch": lambda s: api.Job.over(s).launch(),
+    "watch": lambda s: api.Run.over(s).watch(),
+    "pull": _pull,
+    "verify": _verify,
+    "down": lambda s: api.Run.over(s).down(flag(s.variables, "confirm")),
+    "status": _status,
+    "stop": lambda s: api.Run.over(s).stop(),
+    "check": _check,
+}
+
+
 Opener = Callable[[], Session]
 
 
 def lazy(module: str, name: str, package: str = "tether.pipelines") -> Callable[..., Any]:
     """`<package>.<module>.<name>`, imported at its first call: a no-op `train` imports no
-    observer, report, repro or web page code."""
+    report, repro or web page code."""
     def call(*args: Any) -> Any:
         return getattr(importlib.import_module(f"{package}.{module}"), name)(*args)
     call.__name__ = call.__qualname__ = name
@@ -117,23 +150,21 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
             return []
         return [] if whole.variables.get("run") else whole.points
 
-    def action(opener: Opener, phase: Callable, *args: Any) -> Callable[[], Any]:
+    def action(opener: Opener, call: Callable[..., Optional[str]], *args: Any) -> Callable[[], Any]:
+        """A doit action: `call(session, *args)` inside the API's edge, the message it returns printed;
+        tether's error as doit's TaskFailed, Ctrl-C as the command to resume. (Any other error is a bug:
+        doit shows its traceback.)"""
         def run() -> Any:
-            opened = None
+            opened: Optional[Session] = None
             try:
-                opened = opener()
-                message = phase(opened, *args)
+                with api.edge(opener) as opened:
+                    message = call(opened, *args)
                 if message:
                     print(message)
-            except (TetherError, TornFile) as err:
+            except TetherError as err:
                 return TaskFailed(str(err))
             except KeyboardInterrupt:
                 return TaskFailed(resume_hint(opened))
-            except Exception as err:
-                if opened is None or not opened.backend.is_transport_error(err):
-                    raise  # a bug: doit shows the traceback
-                return TaskFailed(f"lost the connection to backend {opened.job.backend} ({type(err).__name__}: "
-                                  f"{err}); nothing is lost: run the same command again")
             return None
         return run
 
@@ -165,13 +196,13 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
             dep = f"{before}:{label}" if label and before != "up" else before
             if name == "launch" and label and opener().backend.launches_arrays:
                 dep = "push"  # one job array for every point: all of them are pushed first
-            return dict(actions=[action(opener, getattr(phases, name))],
+            return dict(actions=[action(opener, CALLS[name])],
                         uptodate=[done(opener, getattr(phases, f"{name}_done"))], task_dep=[dep], **extra)
         return build
 
     def up() -> dict:
         """`up` belongs to the backend: one task for a whole sweep."""
-        return dict(doc="preflight the backend and copy the launcher there", actions=[action(session, phases.up)],
+        return dict(doc="preflight the backend and copy the launcher there", actions=[action(session, CALLS["up"])],
                     uptodate=[done(session, phases.up_done)])
 
     def explicit(phase: Callable) -> Callable[[Opener, str], dict]:
@@ -183,12 +214,11 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         return lambda opener, label: dict(actions=[action(opener, phase, *args)], **extra)
 
     def train(opener: Opener, label: str) -> dict:
-        return dict(actions=[action(opener, phases.pull), action(opener, phases.verify)],
+        return dict(actions=[action(opener, CALLS["pull"]), action(opener, CALLS["verify"])],
                     uptodate=[done(opener, phases.pulled_done)], task_dep=[f"watch:{label}" if label else "watch"])
 
     def down(opener: Opener, label: str) -> dict:
-        confirm = lambda s: teardown.down(s, flag(s.variables, "confirm"))  # noqa: E731
-        return dict(actions=[action(opener, confirm)])
+        return dict(actions=[action(opener, CALLS["down"])])
 
     def whole(doc: str, phase: Callable, sweep_phase: Callable, **extra: Any) -> Callable[[], dict]:
         """A task that looks at one run, or at every point of a sweep at once."""
@@ -207,25 +237,25 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         "task_launch": per_run("launch", "start the run detached (never twice)", forward("launch")),
         "task_watch": per_run("watch", "follow the run until it ends; Ctrl-C leaves it running",
                               forward("watch", io={"capture": False})),
-        "task_pull": per_run("pull", "bring the run's files home, as its manifest lists them", explicit(phases.pull)),
+        "task_pull": per_run("pull", "bring the run's files home, as its manifest lists them", explicit(CALLS["pull"])),
         "task_verify": per_run("verify", "check every pulled file against the manifest; write PULL_VERIFIED.json",
-                               explicit(phases.verify)),
+                               explicit(CALLS["verify"])),
         "task_train": per_run("train", "up, push, launch, watch, then pull and verify (the default)", train),
         "task_down": per_run("down", "remove the far-side run dir; refused until PULL_VERIFIED.json matches "
                                      "the far side's manifest (confirm=yes)", down),
         "task_status": whole("state, step, loss, heartbeat and place of a run, or of every sweep point (json=1)",
-                             lazy("observe", "status"), lazy("observe", "sweep_status")),
+                             CALLS["status"], observe.sweep_status),
         "task_tail": per_run("tail", "print the run's log, following it until the run ends",
-                             simple(lazy("observe", "tail"), io={"capture": False})),
+                             simple(observe.tail, io={"capture": False})),
         "task_stop": per_run("stop", "SIGTERM the run, SIGKILL after grace_seconds, and say what happened",
-                             simple(lazy("observe", "stop"))),
+                             simple(CALLS["stop"])),
         "task_prune": fixed("remove far-side objects that no run references (after `down`s)",
-                            action(session, lazy("observe", "prune"))),
+                            action(session, observe.prune)),
         "task_report": whole("curves and a Markdown summary from the verified files; for a sweep, results.json, "
                              "a table and a figure with error bars", lazy("report", "report"),
                              lazy("results", "report")),
         "task_check": fixed("preflight the backend: could a run start there? (json=1)",
-                            action(session, lazy("observe", "check"))),
+                            action(session, CALLS["check"])),
         "task_repro": fixed("re-run recorded runs (a run folder, results.json or its provenance file) and "
                             "compare: tether repro PATH [backend=NAME]",
                             lambda paths: action(recorded, lazy("repro", "repro"), paths)(), pos_arg="paths",

@@ -4,19 +4,24 @@ files itself, standing in for the agent; the agent program has tests of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import config_text
+from helpers import poll
+from tether.backends import agent
+from tether.pipelines import phases
 from tether import config as config_mod
 from tether import mailbox, signing
-from tether.errors import ConfigError, SignatureError
+from tether.errors import ConfigError, RunError, SignatureError
 from tether.pipelines.session import Session
 from tether.remote import rundir
 
@@ -202,12 +207,15 @@ def test_states_answered_by_the_agent(queued):
     snap = s.backend.state(run)
     assert snap.status == "running" and not snap.final and snap.queue_error is None
     assert 6 <= snap.heartbeat_age_s < 7 and 7 <= snap.output_age_s < 8
-    backdate(files(where, "snapshot"), mailbox.STALE_S + 10)
+    with pytest.raises(RunError, match="no heartbeat"):  # a fresh report of a silent launcher ends the watch
+        phases._check_health(s, run, dataclasses.replace(snap, heartbeat_age_s=100.0))
+    backdate(files(where, "snapshot"), mailbox.STALE_S + 70)
     snap = s.backend.state(run)
     from tether.pipelines.observe import queue_text
 
-    assert snap.status == "running" and re.fullmatch(r"agent gpu1 last reported 4[012] s ago", snap.queue_error)
+    assert snap.status == "running" and re.fullmatch(r"agent gpu1 last reported 10[012] s ago", snap.queue_error)
     assert "job" not in queue_text(snap) and "scheduler" not in queue_text(snap)
+    phases._check_health(s, run, snap)  # a stale one decides nothing: the watch waits
     write(files(where, "snapshot"), dict(report, nonce=nonce, status="completed", final=True, alive=False))
     assert not s.backend.state(run).final  # not sealed: the results are not all in the mailbox yet
     write(files(where, "snapshot"), dict(report, nonce=nonce, status="completed", final=True, sealed=True))
@@ -228,6 +236,27 @@ def test_refused_withdrawn_and_superseded(queued):
     snap = s.backend.state(run)
     assert snap.final and snap.status == "stopped"
     assert s.backend.stop(run, 1).outcome == "was not running"
+
+
+def test_stop_of_a_claimed_run_asks_the_agent(queued, monkeypatch):
+    s, run, where, nonce = queued
+    write(files(where, "claim", nonce), mailbox.Claim("gpu1", "ws7", time.time()).as_dict())
+    agent_record(where, "gpu1", age_s=50)
+    monkeypatch.setattr(agent, "STOP_ANSWER_S", 0.2)  # nobody answers: the wait is short here
+    outcome = s.backend.stop(run, 0)
+    assert re.fullmatch(r"stop requested: it waits in the mailbox for agent gpu1 \(last seen 5[0-3] s ago\)",
+                        outcome.outcome)
+
+    def answer() -> None:  # standing in for the agent: it answers the newest stop request
+        poll(lambda: len(list(files(where, "x").parent.glob("stop-*.json"))) == 2, 10, "a second stop request")
+        newest = max(files(where, "x").parent.glob("stop-*.json"), key=lambda p: p.stat().st_mtime_ns)
+        write(files(where, "stopped", mailbox.parse_name(str(newest))[1]), {"outcome": "stopped", "status": "stopped"})
+
+    helper = threading.Thread(target=answer)
+    helper.start()
+    monkeypatch.setattr(agent, "STOP_ANSWER_S", 10)
+    assert s.backend.stop(run, 0).outcome == "stopped"
+    helper.join()
 
 
 def test_states_of_a_sweep_are_one_peek(queued):
@@ -280,40 +309,38 @@ def sealed_results(project, where: Path) -> Path:
     return run_dir
 
 
-def test_agent_key_refuses_results_the_agent_did_not_sign(box, laptop_key, tmp_path):
+def test_agent_key_refuses_results_the_agent_did_not_sign_and_down_tells_the_agent(box, laptop_key, tmp_path):
     project, where = box
-    agent, _ = signing.own_signer(str(tmp_path / "keys" / "agent"))
+    agent_key, _ = signing.own_signer(str(tmp_path / "keys" / "agent"))
     stranger, _ = signing.own_signer(str(tmp_path / "keys" / "stranger"))
     project.write_config(config_text(backend_name="box", backend=agent_backend(
-        where, Path(laptop_key.path), agent="gpu1", agent_key=agent.path + ".pub")))
+        where, Path(laptop_key.path), agent="gpu1", agent_key=agent_key.path + ".pub")))
     run_dir = sealed_results(project, where)
     signature = run_dir / "agent" / "manifest.sig.json"
-    digest = hashlib.sha256((run_dir / "PULL_MANIFEST.json").read_bytes()).hexdigest()
-    for signed, said in ((None, "no manifest.sig.json"), (stranger, "not trusted here"),
-                         (agent, "its SHA-256 differs")):
+    data = (run_dir / "PULL_MANIFEST.json").read_bytes()
+    body = {"run_id": run_dir.name, "manifest_sha256": hashlib.sha256(data).hexdigest()}
+    for signed, said in ((None, "no manifest.sig.json"), (stranger, "not trusted here")):
         if signed is not None:
-            body = {"run_id": run_dir.name, "manifest_sha256": digest if signed is stranger else "0" * 64}
             signature.write_text(json.dumps(signed.sign(body)))
         done = project.doit("pull")
         assert done.returncode != 0 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert not (project.local_run() / "files").exists()  # nothing of it was saved here
-    signature.write_text(json.dumps(agent.sign({"run_id": run_dir.name, "manifest_sha256": digest})))
+    signature.write_text(json.dumps(agent_key.sign(dict(body, manifest_sha256="0" * 64))))
+    s = session(project)
+    with pytest.raises(SignatureError, match="its SHA-256 differs"):
+        s.backend.vouch(s.observed(), data)
+    signature.write_text(json.dumps(agent_key.sign(body)))
     assert ": pulled" in project.doit("pull", check=True).stdout
     assert (project.local_run() / "files" / "artifacts" / "model.json").exists()
 
-
-def test_down_asks_the_claiming_agent_to_remove_its_copy(box, laptop_key):
-    project, where = box
-    run_dir = sealed_results(project, where)
-    project.doit("pull", check=True)
     project.doit("verify", check=True)
     done = project.doit("run", "down", "confirm=yes", check=True)
     assert "agent gpu1 removes its copy when it next polls" in done.stdout and not run_dir.exists()
     signed = json.loads((where / mailbox.down_request("gpu1", run_dir.name)).read_text())
-    with pytest.raises(SignatureError):  # signed by the laptop: only its key vouches for it
-        signing.verified(dict(signed, body={"run_id": "other", "nonce": "x"}),
-                         [laptop_key.key.convert_to_public()], "down request")
-    assert signing.verified(signed, [laptop_key.key.convert_to_public()], "down")[0]["run_id"] == run_dir.name
+    laptop = [laptop_key.key.convert_to_public()]
+    assert signing.verified(signed, laptop, "down")[0]["run_id"] == run_dir.name
+    with pytest.raises(SignatureError):  # the signature covers the run id
+        signing.verified(dict(signed, body={"run_id": "other", "nonce": "x"}), laptop, "down request")
 
 
 # ------------------------------------------------------------------ the relay over ssh

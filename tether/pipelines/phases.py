@@ -372,7 +372,7 @@ def _check_health(s: Session, run: RunPaths, snap: Snapshot) -> None:
     """A launcher that stopped beating is reported (its own limits, max_wall_seconds and stall_timeout_s,
     are enforced on the far side)."""
     status, state = snap.status, snap.state
-    if snap.queue_error:  # the far side's report is stale or missing: decide nothing on it
+    if snap.queue_error and snap.job_id is None:  # the whole report is stale (an agent's): its ages prove nothing
         return
     age = snap.heartbeat_age_s
     beating = status == RUNNING and state.get("status") == RUNNING  # not a requeued job starting up

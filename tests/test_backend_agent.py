@@ -216,10 +216,13 @@ def test_states_answered_by_the_agent(queued):
     assert snap.status == "running" and re.fullmatch(r"agent gpu1 last reported 10[012] s ago", snap.queue_error)
     assert "job" not in queue_text(snap) and "scheduler" not in queue_text(snap)
     phases._check_health(s, run, snap)  # a stale one decides nothing: the watch waits
+    write(files(where, "snapshot"), dict(report, nonce=nonce, status="lost", alive=False))
+    assert s.backend.state(run).alive  # not final: the agent restarts it or ends it, never this side's watch
     write(files(where, "snapshot"), dict(report, nonce=nonce, status="completed", final=True, alive=False))
     assert not s.backend.state(run).final  # not sealed: the results are not all in the mailbox yet
-    write(files(where, "snapshot"), dict(report, nonce=nonce, status="completed", final=True, sealed=True))
-    assert s.backend.state(run).final and s.backend.state(run).status == "completed"
+    write(files(where, "snapshot"), dict(report, nonce=nonce, status="completed", final=True, sealed=True, alive=False))
+    snap = s.backend.state(run)
+    assert snap.final and snap.status == "completed" and not snap.alive
 
 
 def test_refused_withdrawn_and_superseded(queued):

@@ -190,7 +190,8 @@ def _reported(att: Attempt, now: float) -> Snapshot:
     age, found = att.snapshot_age_s, Snapshot.of(att.snapshot)
     final = bool(found.final and found.sealed)  # final only once the results are in the mailbox
     stale = f"agent {att.claim.agent} last reported {age:.0f} s ago" if not final and age > mailbox.STALE_S else None
-    return dataclasses.replace(found, final=final, now=now, queue_error=stale,
+    # alive until final: the agent is the run's controller (its restart policy, its stop), never this side's watch
+    return dataclasses.replace(found, final=final, alive=found.alive or not final, now=now, queue_error=stale,
                                heartbeat_age_s=_plus(found.heartbeat_age_s, age),
                                output_age_s=_plus(found.output_age_s, age))
 

@@ -265,20 +265,28 @@ class Backend:
         """Preflight: can a run start here?"""
         report = Report(self.name)
         settings = dict(self.settings(), require=list(require))
+        found = self._preflight(report, settings)
+        if found is None:
+            return report
+        venv.report(self, report)
+        self._report(report, found, settings, require)
+        return report
+
+    def _preflight(self, report: Report, settings: dict) -> Optional[Preflight]:
+        """The far side's own lines (its Python, remote_dir writable, disk, inodes); None, after a NO
+        line, when it did not answer."""
         try:
             found = self.far.check(settings)
         except BackendError as err:
             report.add("python", False, f"{self.python}: {err}")
-            return report
+            return None
         report.add("python", found.python_ok, f"{self.python} is Python {found.python} ({found.executable})"
                    + ("" if found.python_ok else " (3.8 or newer needed)"))
         report.add("writable", found.writable, self.remote_dir)
         report.add("disk", found.free_mb >= self.min_free_mb,
                    f"{found.free_mb} MB free under {self.remote_dir} (want {self.min_free_mb})")
         report.add("inodes", found.free_inodes >= 1000, f"{found.free_inodes} free inodes")
-        venv.report(self, report)
-        self._report(report, found, settings, require)
-        return report
+        return found
 
     def _report(self, report: Report, found: Preflight, settings: dict, require: tuple[str, ...]) -> None:
         """The type-specific lines of a preflight (here: the trainer's modules, the GPUs)."""
@@ -316,6 +324,10 @@ class Backend:
     def stop(self, run: RunPaths, grace_s: float) -> StopOutcome:
         """SIGTERM, then SIGKILL after grace_s; the outcome says honestly what happened."""
         return self.far.stop(run.remote_abs, grace_s)
+
+    def vouch(self, run: RunPaths, manifest: bytes) -> None:
+        """Refuse the far side's PULL_MANIFEST.json (these bytes) unless whoever must vouch for it did
+        (an agent's signature); here nothing more is asked of it."""
 
     @property
     def keep_remote(self) -> bool:

@@ -155,13 +155,17 @@ def gpus_text(state: dict) -> Optional[str]:
 
 
 def queue_text(snap: Snapshot) -> Optional[str]:
-    """The scheduler's view, e.g. `job 12_3 PENDING (Priority)` or `job 12 RUNNING on node07`;
-    None off a scheduler."""
+    """The queue's view, e.g. `job 12_3 PENDING (Priority)` or `job 12 RUNNING on node07` (SLURM),
+    or the backend's own words (`queue["text"]`: queued for agent NAME ...); None without a queue."""
     queue = snap.queue
+    if snap.queue_error and snap.job_id is None:  # a report that did not come (an agent's): decide nothing
+        return f"{snap.queue_error}; waiting for its next report (the run is left alone)"
     if snap.queue_error:  # the scheduler did not answer: say so, decide nothing
         return f"job {snap.job_id}: {snap.queue_error}; waiting for the scheduler (the job is left alone)"
     if not queue:
         return None
+    if queue.get("text"):
+        return queue["text"]
     reason = f" ({queue['reason']})" if queue.get("reason") not in (None, "", "None") else ""
     text = f"RUNNING on {queue['nodes']}" if queue["state"] == "RUNNING" else f"{queue['state']}{reason}"
     return f"job {snap.job_id} {text}"

@@ -164,6 +164,8 @@ def launch(s: Session) -> str:
         raise BackendError(f"{run.run_id}: the launcher did not start: {result.error}\n{log}")
     s.forget_snapshot(run)
     write_stamp(run, "launch", outcome=result.outcome, attempt=result.attempt)
+    if result.message:
+        return f"{run.run_id}: {result.message}"
     verb = {STARTED: "launched", ALREADY_RUNNING: "already running", FINISHED: "already finished"}
     which = f"SLURM job {result.job_id}" if result.job_id else f"attempt {result.attempt}"
     return f"{run.run_id}: {verb[result.outcome]} ({which})"
@@ -374,6 +376,8 @@ def _check_health(s: Session, run: RunPaths, snap: Snapshot) -> None:
     """A launcher that stopped beating is reported (its own limits, max_wall_seconds and stall_timeout_s,
     are enforced on the far side)."""
     status, state = snap.status, snap.state
+    if snap.queue_error and snap.job_id is None:  # the whole report is stale (an agent's): its ages prove nothing
+        return
     age = snap.heartbeat_age_s
     beating = status == RUNNING and state.get("status") == RUNNING  # not a requeued job starting up
     if beating and age is not None and age > s.job.heartbeat_timeout_s:
@@ -392,6 +396,8 @@ def pull(s: Session) -> str:
     verified = read_json(run.verified) if manifest.still_verified(run) else None
     try:
         data = far_manifest(s, run)
+        if data is not None:
+            s.backend.vouch(run, data)  # before anything of it is saved here
     except Exception as err:  # unreachable: what is verified here stays verified
         if verified is None or not s.backend.is_transport_error(err):
             raise

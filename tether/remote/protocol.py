@@ -111,6 +111,7 @@ class LaunchResult:
     exit_code: Optional[int] = None
     job_id: Optional[str] = None
     flags: Optional[List[str]] = None
+    message: str = ""  # the launch in the backend's own words, said as is (an agent's: queued for agent NAME)
 
     @classmethod
     def of(cls, found: Dict[str, Any]) -> "LaunchResult":

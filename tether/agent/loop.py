@@ -130,8 +130,9 @@ class Agent:
                 self.ledger.drop(held.run_id)
             return
         self.ledger.put(self.ledger.runs[held.run_id].but(launched=True))
-        if again:  # the earlier attempt's results are withdrawn: this attempt's replace them when it ends
-            self.mail.delete([f"runs/{held.run_id}/PULL_MANIFEST.json", mailbox.run_file(held.run_id, "manifest.sig")])
+        # an earlier attempt's results (or the laptop's seal of a run it gave up on) are withdrawn:
+        # this attempt's replace them when it ends
+        self.mail.delete([f"runs/{held.run_id}/PULL_MANIFEST.json", mailbox.run_file(held.run_id, "manifest.sig")])
 
     def refuse(self, letter: Letter, err: TetherError) -> None:
         """refused-<nonce>.json, once, and a line naming the signer: nothing of the letter is executed."""

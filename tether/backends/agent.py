@@ -349,6 +349,14 @@ class Backend(BaseBackend):
         told = f"; agent {', '.join(agents)} removes its copy when it next polls" if agents else ""
         return done + told, others
 
+    def reopen(self, run: RunPaths) -> dict:
+        """The agent reopens its own copy when it takes the next request (the mailbox's files are its to
+        write); here only the words: the attempt that ended and the checkpoint it mirrored."""
+        attempt = int(self.state(run).state.get("attempt") or 0)
+        found = self.far.checkpoint(run.remote_abs)
+        return {"outcome": "reopened", "state": {"reopened": {"attempt": attempt}}, "next_attempt": attempt + 1,
+                "checkpoint": found.checkpoint, "step": found.step}
+
     def vouch(self, run: RunPaths, manifest: bytes) -> None:
         """With agent_key: set, the manifest must carry the agent's signature over its very bytes."""
         if not self.config.agent_key:

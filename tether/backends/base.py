@@ -325,6 +325,11 @@ class Backend:
         """SIGTERM, then SIGKILL after grace_s; the outcome says honestly what happened."""
         return self.far.stop(run.remote_abs, grace_s)
 
+    def reopen(self, run: RunPaths) -> dict:
+        """Make an ended run (not completed) startable as its next attempt: the far side's outcome, with
+        the checkpoint it resumes from (tether.remote.resume.reopen)."""
+        return self.far.reopen(run.remote_abs)
+
     def vouch(self, run: RunPaths, manifest: bytes) -> None:
         """Refuse the far side's PULL_MANIFEST.json (these bytes) unless whoever must vouch for it did
         (an agent's signature); here nothing more is asked of it."""

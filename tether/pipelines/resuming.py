@@ -107,7 +107,7 @@ def relaunch(s: "Session", run: RunPaths, snap: Snapshot, retry: bool) -> str:
                               f"code or config for a new run, or pass resume_from={run.run_id} to start one "
                               f"from its checkpoint")
         return ""
-    opened = s.backend.far.reopen(run.remote_abs)
+    opened = s.backend.reopen(run)
     if opened["outcome"] == "refused":
         raise ConfigError(f"run {run.run_id}: {opened['error']}")
     if opened["outcome"] == "reopened":

@@ -77,15 +77,22 @@ def parse_name(path: str) -> tuple[str, str]:
 # ------------------------------------------------------------------ what the files hold
 
 
-def _of(cls: Any, found: Any) -> Any:
-    if not isinstance(found, dict):
-        raise ValueError(f"a {cls.__name__} must be a JSON object")
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in found.items() if k in names})
+class Record:
+    """A mailbox file's JSON as a frozen dataclass: `of` reads one (unknown keys ignored), `as_dict` writes it."""
+
+    @classmethod
+    def of(cls, found: Any) -> Any:
+        if not isinstance(found, dict):
+            raise ValueError(f"a {cls.__name__} must be a JSON object")
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in found.items() if k in names})
+
+    def as_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
-class Request:
+class Request(Record):
     """What the laptop signs to have a run executed: the run's files by hash, and how to run it."""
 
     run_id: str
@@ -99,63 +106,39 @@ class Request:
     queue_timeout_s: float  # after this (on the mailbox's clock) unclaimed, the request is void
     signer: str = ""  # the laptop's key fingerprint, for messages
 
-    @classmethod
-    def of(cls, found: Any) -> "Request":
-        return _of(cls, found)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
-class Claim:
+class Claim(Record):
     """The agent that took a request, and when (its own clock, for messages only)."""
 
     agent: str
     host: str
     at: float
 
-    @classmethod
-    def of(cls, found: Any) -> "Claim":
-        return _of(cls, found)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
-class StopRequest:
+class StopRequest(Record):
     """What the laptop signs to stop a run: SIGTERM, then SIGKILL after grace_s."""
 
     run_id: str
     nonce: str
     grace_s: float
 
-    @classmethod
-    def of(cls, found: Any) -> "StopRequest":
-        return _of(cls, found)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
-class DownRequest:
+class DownRequest(Record):
     """What the laptop signs to have an agent remove its copy of a run (after `down`'s gate passed here)."""
 
     run_id: str
     nonce: str
 
-    @classmethod
-    def of(cls, found: Any) -> "DownRequest":
-        return _of(cls, found)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
-class AgentRecord:
+class AgentRecord(Record):
     """An agent as it describes itself on every poll; its file's age is when it was last seen."""
 
     name: str
@@ -168,12 +151,6 @@ class AgentRecord:
     key: str = ""  # the public key it signs results with
     pid: int = 0
 
-    @classmethod
-    def of(cls, found: Any) -> "AgentRecord":
-        return _of(cls, found)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # ------------------------------------------------------------------ the mailbox's address

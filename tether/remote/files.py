@@ -12,7 +12,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from tether.remote.fileio import CHUNK
-from tether.remote.objects import _inside
+from tether.remote.objects import _inside, received
 
 PEEK_LIMIT = 1 << 20  # a peeked file larger than this is reported by size only
 
@@ -23,12 +23,7 @@ def create(root: str, path: str, peer: Any) -> Dict[str, Any]:
     The bytes go to a temporary name that is hard-linked to the final one, which fails if that
     exists: the file appears whole, and only one of two racing writers makes it."""
     full = _inside(root, path)
-    os.makedirs(os.path.dirname(full), exist_ok=True)
-    tmp = "%s.tmp-%d" % (full, os.getpid())
-    reader = peer.ask({})
-    with open(tmp, "wb") as out:
-        for chunk in iter(lambda: reader.read(CHUNK), b""):
-            out.write(chunk)
+    tmp = received(full, peer)
     try:
         os.link(tmp, full)
         created = True

@@ -287,11 +287,16 @@ def read_file(root: str, path: str, stream: IO[bytes], offset: int = 0, length: 
 def put_file(root: str, path: str, peer: Any) -> Dict[str, Any]:
     """Write the client's stream to root/path atomically (a temporary name, then rename)."""
     full = _inside(root, path)
+    os.replace(received(full, peer), full)
+    return {"bytes": os.path.getsize(full)}
+
+
+def received(full: str, peer: Any) -> str:
+    """The client's stream written to a temporary name beside `full` (its folder made): that name."""
     os.makedirs(os.path.dirname(full), exist_ok=True)
     tmp = "%s.tmp-%d" % (full, os.getpid())
     reader = peer.ask({})
     with open(tmp, "wb") as out:
         for chunk in iter(lambda: reader.read(CHUNK), b""):
             out.write(chunk)
-    os.replace(tmp, full)
-    return {"bytes": os.path.getsize(full)}
+    return tmp

@@ -161,6 +161,11 @@ def test_once_runs_a_signed_request_and_sends_back_signed_results(project, box):
     assert box.start("box", "--once").wait(timeout=60) == 0, box.log()
     assert not box.local_run(run_id).exists() and not (box.root / down).exists()
     assert json.loads((box.tmp / "work-box" / "agent.json").read_text())["runs"] == {}
+    # whoever can write the mailbox puts the old signed request (and its files) back: it is not run again
+    box.agent_file(run_id, "claim", nonce).unlink()
+    assert box.start("box", "--once").wait(timeout=60) == 0, box.log()
+    refused = json.loads(box.agent_file(run_id, "refused", nonce).read_text())
+    assert "was run here before" in refused["reason"] and not box.local_run(run_id).exists()
 
 
 # ---------------------------------------------------------------- authority

@@ -44,6 +44,12 @@ class Ledger:
         self.path = os.path.join(workdir, FILE)
         found = read_json(self.path, dict) or {}
         self.runs: dict[str, Held] = {rid: Held.of(h) for rid, h in (found.get("runs") or {}).items()}
+        self.taken: set[str] = set(found.get("taken") or [])  # every request nonce ever claimed here, kept past down
+
+    def remember(self, nonce: str) -> None:
+        """A request claimed here: never taken again, even once its run is gone (a replayed request file)."""
+        self.taken.add(nonce)
+        self.save()
 
     def put(self, held: Held) -> Held:
         """Record `held` (replacing that run's record) and save; `held` back."""
@@ -63,4 +69,5 @@ class Ledger:
 
     def save(self) -> None:
         """agent.json, written whole (tmp, fsync, rename)."""
-        atomic_write_json(self.path, {"runs": {rid: asdict(h) for rid, h in sorted(self.runs.items())}})
+        atomic_write_json(self.path, {"runs": {rid: asdict(h) for rid, h in sorted(self.runs.items())},
+                                      "taken": sorted(self.taken)})

@@ -97,6 +97,9 @@ class Agent:
         """Verify a launch request, claim it, and run it here; refused (never run) when it is not trusted."""
         try:
             request = inbox.verified(letter, self.keys, mailbox.Request)
+            if request.nonce in self.ledger.taken:
+                raise SignatureError(f"request {request.nonce} of {request.run_id} was run here before: a signed "
+                                     f"request runs once (this one was put back in the mailbox)")
             fetch.checked(self.mail, request)
         except (SignatureError, RunError) as err:
             self.refuse(letter, err)
@@ -104,6 +107,7 @@ class Agent:
         claim = mailbox.Claim(self.name, socket.gethostname(), round(time.time(), 3))
         if not self.mail.create(mailbox.run_file(letter.run_id, "claim", letter.nonce), json.dumps(claim.as_dict()).encode()):
             return False  # another agent took it first
+        self.ledger.remember(request.nonce)
         say(f"claimed {letter.run_id} (request {letter.nonce}, signed by {inbox.signer_of(letter)})")
         held = self.ledger.runs.get(request.run_id) or Held(request.run_id, request.nonce)
         self.begin(letter, self.ledger.put(held.but(nonce=request.nonce, request=request.as_dict(), launched=False,

@@ -147,7 +147,6 @@ def pulled_log(project, run_id: str) -> str:
     return (project.local_run(run_id) / "files" / "train.log").read_text()
 
 
-@pytest.mark.parametrize("machines", ["folder"], indirect=True)
 def test_the_laptop_killed_mid_watch_and_the_agent_killed_with_its_trainer_cost_nothing(project, machines):
     script_on_desk(project, machines)
     machines.start()
@@ -172,7 +171,6 @@ def test_the_laptop_killed_mid_watch_and_the_agent_killed_with_its_trainer_cost_
     assert (status["status"], status["attempt"]) == ("completed", 2), status
 
 
-@pytest.mark.parametrize("machines", ["folder"], indirect=True)
 def test_doit_stop_reaches_the_agent_and_train_again_resumes_from_the_checkpoint(project, machines):
     script_on_desk(project, machines)
     machines.start()
@@ -193,7 +191,6 @@ def test_doit_stop_reaches_the_agent_and_train_again_resumes_from_the_checkpoint
 # ---------------------------------------------------------------- authority
 
 
-@pytest.mark.parametrize("machines", ["folder"], indirect=True)
 def test_a_run_signed_by_a_key_the_agent_does_not_trust_is_refused_and_never_executed(project, machines, tmp_path):
     stranger, _ = signing.own_signer(str(tmp_path / "stranger" / "id_ed25519"))
     desk(project, machines, epochs=4)
@@ -206,7 +203,6 @@ def test_a_run_signed_by_a_key_the_agent_does_not_trust_is_refused_and_never_exe
     assert not (machines.work() / "runs" / run_id).exists()  # nothing of it was built, let alone run
 
 
-@pytest.mark.parametrize("machines", ["folder"], indirect=True)
 def test_results_changed_in_the_mailbox_are_caught_by_the_hash_and_a_new_manifest_by_the_signature(
         project, machines):
     desk(project, machines, epochs=4)
@@ -232,7 +228,7 @@ def test_results_changed_in_the_mailbox_are_caught_by_the_hash_and_a_new_manifes
 # ---------------------------------------------------------------- two agents
 
 
-@pytest.mark.parametrize("machines", ["folder"], indirect=True)
+@pytest.mark.parametrize("machines", ["folder"], indirect=True)  # the relay is the same code path
 def test_a_sweep_for_any_agent_is_shared_by_two_agents_one_run_each(project, machines):
     project.write_config(config_text(command="{python} demo/train.py --epochs 6 --seed {seed}", backend_name="desk",
                                      backend=machines.backend(agent="", agent_key=None)) + "sweep:\n  seed: [0, 1]\n")

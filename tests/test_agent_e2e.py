@@ -241,3 +241,27 @@ def test_a_sweep_for_any_agent_is_shared_by_two_agents_one_run_each(project, mac
     takers = {json.loads(p.read_text())["agent"] for r in ids for p in (mailbox_run(machines, r) / "agent").glob(
         "claim-*.json")}
     assert takers == {"a", "b"}
+
+
+# ---------------------------------------------------------------- the job's environment, built by the agent
+
+
+@pytest.mark.parametrize("machines", ["folder"], indirect=True)
+def test_the_jobs_venv_is_built_on_the_agents_machine_and_the_run_uses_it(project, machines, tmp_path, monkeypatch):
+    from test_environment import SCRIPT as USES_TINYPKG, tiny_wheel
+
+    tiny_wheel(tmp_path / "wheels")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the agent's installer sees only the local wheel
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
+    (project.root / "demo" / "use.py").write_text(USES_TINYPKG)
+    (project.root / "requirements.txt").write_text("tinypkg==1.0\n")
+    project.write_config(config_text(command="{python} demo/use.py", code="demo/use.py", artifacts="env.json",
+                                     backend_name="desk", backend=machines.backend())
+                         + "environment:\n  requirements: requirements.txt\n  setup: ['export GREETING=hello']\n")
+    machines.start()
+    done = project.doit("run", "train", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr + machines.agents[0].output()
+    seen = json.loads((project.local_run() / "files" / "artifacts" / "env.json").read_text())
+    assert Path(seen["prefix"]).parent == machines.work() / "venv" and seen["tinypkg"] == "1.0", seen
+    assert seen["greeting"] == "hello", seen  # the setup line ran in the trainer's shell, on the agent
+    assert not (machines.folder / "venv").exists()  # nothing was built in the mailbox

@@ -17,11 +17,10 @@ from typing import Any, Callable, Optional
 from doit.exceptions import TaskError, TaskFailed, UnmetDependency
 from doit.reporter import ConsoleReporter
 
-from tether import api
 from tether import config as config_mod
 from tether import sweep
 from tether.errors import ConfigError, TetherError
-from tether.pipelines import observe, phases
+from tether.pipelines import phases
 from tether.pipelines.session import Session, check_variables, flag
 from tether.remote.fileio import TornFile
 
@@ -84,32 +83,38 @@ def resume_hint(session: Session | None) -> str:
     return f"interrupted: nothing is lost.{where} Run the same command again to resume."
 
 
+def _api() -> Any:
+    """tether.api, imported at the first action: a no-op `train` (every task up to date) imports no API,
+    observer, report, repro or web page code."""
+    return importlib.import_module("tether.api")
+
+
 def _pull(s: Session) -> None:
-    api.Run.over(s).pull(verify=False)
+    _api().Run.over(s).pull(verify=False)
 
 
 def _verify(s: Session) -> None:
-    api.Run.over(s).verify()
+    _api().Run.over(s).verify()
 
 
 def _status(s: Session) -> None:
-    observe.show_status(s, api.Run.over(s).status())
+    lazy("observe", "show_status")(s, _api().Run.over(s).status())
 
 
 def _check(s: Session) -> None:
-    observe.show_check(s, api.Job.over(s).check())
+    lazy("observe", "show_check")(s, _api().Job.over(s).check())
 
 
 CALLS: dict[str, Callable[[Session], Optional[str]]] = {  # what each task's action asks of the API
-    "up": lambda s: api.Job.over(s).up(),
-    "push": lambda s: api.Job.over(s).push(),
-    "launch": lambda s: api.Job.over(s).launch(),
-    "watch": lambda s: api.Run.over(s).watch(),
+    "up": lambda s: _api().Job.over(s).up(),
+    "push": lambda s: _api().Job.over(s).push(),
+    "launch": lambda s: _api().Job.over(s).launch(),
+    "watch": lambda s: _api().Run.over(s).watch(),
     "pull": _pull,
     "verify": _verify,
-    "down": lambda s: api.Run.over(s).down(flag(s.variables, "confirm")),
+    "down": lambda s: _api().Run.over(s).down(flag(s.variables, "confirm")),
     "status": _status,
-    "stop": lambda s: api.Run.over(s).stop(),
+    "stop": lambda s: _api().Run.over(s).stop(),
     "check": _check,
 }
 
@@ -118,8 +123,7 @@ Opener = Callable[[], Session]
 
 
 def lazy(module: str, name: str, package: str = "tether.pipelines") -> Callable[..., Any]:
-    """`<package>.<module>.<name>`, imported at its first call: a no-op `train` imports no
-    report, repro or web page code."""
+    """`<package>.<module>.<name>`, imported at its first call (see `_api`)."""
     def call(*args: Any) -> Any:
         return getattr(importlib.import_module(f"{package}.{module}"), name)(*args)
     call.__name__ = call.__qualname__ = name
@@ -157,7 +161,7 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         def run() -> Any:
             opened: Optional[Session] = None
             try:
-                with api.edge(opener) as opened:
+                with _api().edge(opener) as opened:
                     message = call(opened, *args)
                 if message:
                     print(message)
@@ -244,13 +248,13 @@ def task_creators(variables: Callable[[], dict[str, str]]) -> dict[str, Callable
         "task_down": per_run("down", "remove the far-side run dir; refused until PULL_VERIFIED.json matches "
                                      "the far side's manifest (confirm=yes)", down),
         "task_status": whole("state, step, loss, heartbeat and place of a run, or of every sweep point (json=1)",
-                             CALLS["status"], observe.sweep_status),
+                             CALLS["status"], lazy("observe", "sweep_status")),
         "task_tail": per_run("tail", "print the run's log, following it until the run ends",
-                             simple(observe.tail, io={"capture": False})),
+                             simple(lazy("observe", "tail"), io={"capture": False})),
         "task_stop": per_run("stop", "SIGTERM the run, SIGKILL after grace_seconds, and say what happened",
                              simple(CALLS["stop"])),
         "task_prune": fixed("remove far-side objects that no run references (after `down`s)",
-                            action(session, observe.prune)),
+                            action(session, lazy("observe", "prune"))),
         "task_report": whole("curves and a Markdown summary from the verified files; for a sweep, results.json, "
                              "a table and a figure with error bars", lazy("report", "report"),
                              lazy("results", "report")),

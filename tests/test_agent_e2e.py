@@ -201,6 +201,11 @@ def test_a_run_signed_by_a_key_the_agent_does_not_trust_is_refused_and_never_exe
     assert "agent desk refused the run" in done.stderr and "not trusted" in done.stderr, done.stderr
     assert machines.laptop.fingerprint in agent.text()  # the agent's log names who signed it
     assert not (machines.work() / "runs" / run_id).exists()  # nothing of it was built, let alone run
+    agent.kill()
+    machines.start()  # now trusting the laptop's key: the README's fix
+    again = project.doit("run", "train", "retry=1", timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr + machines.agents[-1].output()
+    assert (project.local_run(run_id) / "PULL_VERIFIED.json").is_file()
 
 
 def test_results_changed_in_the_mailbox_are_caught_by_the_hash_and_a_new_manifest_by_the_signature(

@@ -91,3 +91,19 @@ def test_a_signature_holds_only_for_the_body_it_covers_and_only_with_a_trusted_k
         signing.verified(body, keys, "request")
     with pytest.raises(SignatureError, match="ssh-keygen -t ed25519"):
         signing.signer(str(tmp_path / "absent"), "signing_key")
+
+
+def test_a_link_out_of_the_mailbox_or_a_pipe_in_it_is_left_out_of_a_peek_not_fatal(box, tmp_path):
+    """Whoever else can write the mailbox must not make every poll fail (a link out) or hang (a pipe)."""
+    import os
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the mailbox's")
+    box.put("runs/r/agent/snapshot.json", b"{}")
+    agent = tmp_path / "mb" / "runs" / "r" / "agent"
+    (agent / "evil.json").symlink_to(secret)
+    os.mkfifo(agent / "pipe.json")
+    found = box.peek([], ["runs/*/agent/*.json"])
+    assert sorted(found.files) == ["runs/r/agent/snapshot.json"]
+    with pytest.raises(BackendError, match="leaves"):
+        box.peek(["runs/r/agent/evil.json"])  # named outright, it is refused

@@ -8,8 +8,9 @@ only where it ended, and `peek` reads every small file a poll needs in one round
 
 import glob
 import os
+import stat
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from tether.remote.fileio import CHUNK
 from tether.remote.objects import _inside, received
@@ -54,27 +55,39 @@ def append(root: str, path: str, offset: int, peer: Any) -> Dict[str, Any]:
 
 
 def peek(root: str, paths: Optional[List[str]] = None, patterns: Optional[List[str]] = None) -> Dict[str, Any]:
-    """The text, size and age of each file named or matched by a glob under root, at most 1 MiB each
-    (a larger one: its size only); missing files are left out. {"now": the far side's clock, "files"}."""
+    """The text, size and age of each regular file named or matched by a glob under root, at most 1 MiB
+    each (a larger one: its size only); missing files are left out, and so is a match that is not a
+    regular file or leads out of root (a link, a pipe: whoever else writes the mailbox cannot make a
+    poll fail or hang). A named path that leaves root is refused. {"now": the far side's clock, "files"}."""
     base = os.path.realpath(root)
-    named = list(paths or [])
+    wanted = [(rel, _inside(root, rel)) for rel in paths or []]
     for pattern in patterns or []:
         found = glob.glob(_inside(root, pattern))
-        named += sorted(os.path.relpath(f, base) for f in found if ".tmp-" not in os.path.basename(f))
+        wanted += [(os.path.relpath(f, base), f) for f in sorted(found) if ".tmp-" not in os.path.basename(f)
+                   and os.path.realpath(f).startswith(base + os.sep)]
     files = {}  # type: Dict[str, Dict[str, Any]]
     now = time.time()
-    for rel in dict.fromkeys(named):
-        full = _inside(root, rel)
-        try:
-            with open(full, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data = f.read(PEEK_LIMIT) if size <= PEEK_LIMIT else None
-                mtime = os.fstat(f.fileno()).st_mtime
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            continue
-        files[rel] = {"size": size, "age_s": round(now - mtime, 3),
-                      "text": data.decode("utf-8", "replace") if data is not None else None}
+    for rel, full in dict(wanted).items():
+        found = _small_file(full)
+        if found is not None:
+            text, size, mtime = found
+            files[rel] = {"size": size, "age_s": round(now - mtime, 3), "text": text}
     return {"now": now, "files": files}
+
+
+def _small_file(full: str) -> Optional[Tuple[Optional[str], int, float]]:
+    """(its text, or None above PEEK_LIMIT; its size; its mtime) of a regular file, else None (without
+    blocking on a pipe)."""
+    try:
+        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        data = f.read(PEEK_LIMIT) if st.st_size <= PEEK_LIMIT else None
+    return (data.decode("utf-8", "replace") if data is not None else None), st.st_size, st.st_mtime
 
 
 def delete(root: str, paths: List[str]) -> Dict[str, Any]:
